@@ -1,0 +1,230 @@
+"""Building the draft tree that the target verifies in one pass.
+
+Node 0 is the root: the last token the target chose, not yet in its KV cache. Below it:
+- serial depths (1..serial_depth): the serial head expands `top_k` beams by cumulative
+  log-probability, EAGLE-2 style; each depth keeps the `top_k` best of top_k x top_k;
+- MLP depths: the MLP heads predict every later depth at once for each final serial beam;
+  each depth gives every frontier node `mlp_topk` children from its beam's prediction and
+  keeps the best `pruning` by cumulative score;
+- the best `total_tokens - 1` nodes overall are kept. Scores only fall along a path and
+  parents come before children, so a stable sort keeps every kept node's parent too;
+- Full Tree Attention (FTA): a kept leaf that stops short of the tree's depth gets one
+  more child, the token that longer paths carry at that depth. Unlike a mask-only trick
+  (which would let the leaf attend to a token outside its own context and change its
+  logits), the supplement is a real node with its own row in the mask, so verification
+  stays exact.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from .heads import DraftCache, GumihoHeads
+from .settings import TreeSettings
+
+SERIAL, MLP, FTA = "serial", "mlp", "fta"
+
+
+@dataclass
+class DraftTree:
+    tokens: torch.Tensor  # (N,) long; tokens[0] is the root
+    parents: list[int]  # parents[0] == -1
+    depths: list[int]  # depths[0] == 0
+    sources: list[str]  # "root", "serial", "mlp" or "fta"
+    children: list[list[int]] = field(default_factory=list)  # best first
+
+    def __post_init__(self):
+        if not self.children:
+            self.children = [[] for _ in self.parents]
+            for node, parent in enumerate(self.parents):
+                if parent >= 0:
+                    self.children[parent].append(node)
+
+    def __len__(self) -> int:
+        return len(self.parents)
+
+    @property
+    def max_depth(self) -> int:
+        return max(self.depths)
+
+    @classmethod
+    def root_only(cls, token: int, device=None) -> "DraftTree":
+        return cls(torch.tensor([token], device=device), [-1], [0], ["root"])
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """(N, N) bool: row i may attend to column j iff j is i or an ancestor of i."""
+        n = len(self)
+        mask = torch.eye(n, dtype=torch.bool)
+        for node in range(1, n):
+            mask[node] |= mask[self.parents[node]]
+        return mask
+
+    def retrieve_paths(self) -> list[list[int]]:
+        """Root-to-leaf node paths, one per leaf."""
+        paths = []
+        for node in range(len(self)):
+            if not self.children[node]:
+                path = [node]
+                while self.parents[path[-1]] >= 0:
+                    path.append(self.parents[path[-1]])
+                paths.append(path[::-1])
+        return paths
+
+
+@torch.no_grad()
+def build_draft_tree(
+    heads: GumihoHeads,
+    embed,
+    lm_head,
+    cache: DraftCache,
+    root_token: int,
+    last_output: torch.Tensor,
+    last_input: torch.Tensor,
+    settings: TreeSettings,
+    max_depth: int | None = None,
+) -> DraftTree:
+    """Draft a tree below `root_token`.
+
+    cache: the serial head's cache over the accepted context (L positions; the last one
+    read the root token). last_output: the serial head's output there (H,), which predicts
+    depth 1; last_input: its fc input there (H,), the u_1 the MLP heads may need.
+    The cache is restored to L positions before returning.
+    """
+    cfg = heads.config
+    depth_limit = min(settings.depth, cfg.max_depth, max_depth or cfg.max_depth)
+    serial_depth = min(cfg.serial_depth, depth_limit)
+    context_len = len(cache)
+    device = last_output.device
+
+    tokens: list[int] = [root_token]
+    parents: list[int] = [-1]
+    depths: list[int] = [0]
+    sources: list[str] = ["root"]
+    scores: list[float] = [0.0]
+
+    def add_nodes(new_tokens, new_parents, new_scores, depth, source):
+        first = len(tokens)
+        tokens.extend(new_tokens)
+        parents.extend(new_parents)
+        scores.extend(new_scores)
+        depths.extend([depth] * len(new_tokens))
+        sources.extend([source] * len(new_tokens))
+        return list(range(first, len(tokens)))
+
+    try:
+        # Depth 1, from the output at the root.
+        logp = torch.log_softmax(lm_head(last_output[None]).float(), dim=-1)[0]
+        top = torch.topk(logp, settings.top_k)
+        beam_scores = top.values
+        beam_tokens = top.indices
+        beam_nodes = add_nodes(beam_tokens.tolist(), [0] * settings.top_k, beam_scores.tolist(), 1, SERIAL)
+        # For each beam: the serial output that predicted its token, and the fc input of its parent.
+        beam_producer = last_output[None].expand(settings.top_k, -1)
+        beam_parent_input = last_input[None].expand(settings.top_k, -1)
+        # Tree-phase cache entries each beam may attend to (its ancestors' entries).
+        ancestry = torch.zeros(settings.top_k, 0, dtype=torch.bool, device=device)
+
+        for depth in range(2, serial_depth + 1):
+            u = heads.fc_input(embed(beam_tokens), beam_producer)  # (k, H)
+            position = context_len + depth - 2
+            own = torch.eye(len(beam_nodes), dtype=torch.bool, device=device)
+            mask = torch.cat(
+                [torch.ones(len(beam_nodes), context_len, dtype=torch.bool, device=device), ancestry, own], dim=1
+            )
+            positions = torch.full((len(beam_nodes),), position, device=device)
+            out = heads.serial(u[None], positions, cache, mask[None, None])[0]  # (k, H)
+            logp = torch.log_softmax(lm_head(out).float(), dim=-1)
+            top = torch.topk(logp, settings.top_k, dim=-1)
+            cumulative = (beam_scores[:, None] + top.values).view(-1)
+            best = torch.topk(cumulative, settings.top_k)
+            from_beam = best.indices // settings.top_k
+            new_tokens = top.indices.view(-1)[best.indices]
+            new_parents = [beam_nodes[i] for i in from_beam.tolist()]
+            beam_nodes = add_nodes(new_tokens.tolist(), new_parents, best.values.tolist(), depth, SERIAL)
+            ancestry = torch.cat([ancestry, own], dim=1)[from_beam]
+            beam_parent_input = u[from_beam]
+            beam_producer = out[from_beam]
+            beam_scores, beam_tokens = best.values, new_tokens
+
+        mlp_depths = depth_limit - serial_depth
+        if mlp_depths > 0:
+            u_next = heads.fc_input(embed(beam_tokens), beam_producer)  # u_{s+1} per beam
+            predicted = heads.parallel(torch.cat([beam_parent_input, u_next], dim=-1))[:mlp_depths]
+            logp = torch.log_softmax(lm_head(predicted).float(), dim=-1)  # (D, k, V)
+            top = torch.topk(logp, settings.mlp_topk, dim=-1)
+            frontier_nodes = beam_nodes
+            frontier_beam = torch.arange(len(beam_nodes), device=device)
+            frontier_scores = beam_scores
+            for j in range(mlp_depths):
+                cand_scores = frontier_scores[:, None] + top.values[j, frontier_beam]  # (F, mlp_topk)
+                cand_tokens = top.indices[j, frontier_beam]
+                keep = torch.topk(cand_scores.view(-1), min(settings.pruning, cand_scores.numel()))
+                from_frontier = keep.indices // settings.mlp_topk
+                new_parents = [frontier_nodes[i] for i in from_frontier.tolist()]
+                frontier_nodes = add_nodes(
+                    cand_tokens.view(-1)[keep.indices].tolist(),
+                    new_parents,
+                    keep.values.tolist(),
+                    serial_depth + 1 + j,
+                    MLP,
+                )
+                frontier_beam = frontier_beam[from_frontier]
+                frontier_scores = keep.values
+    finally:
+        cache.crop(context_len)
+
+    return _select(tokens, parents, depths, sources, scores, settings, device)
+
+
+def _select(tokens, parents, depths, sources, scores, settings: TreeSettings, device) -> DraftTree:
+    n_fta = settings.fta_tokens if settings.fta else 0
+    budget = settings.total_tokens - 1
+    ranked = sorted(range(1, len(tokens)), key=lambda i: (-scores[i], i))
+    kept = sorted([0, *ranked[: budget - n_fta]])
+    kept_set = set(kept)
+    assert all(parents[i] in kept_set for i in kept[1:]), "draft tree selection lost a parent"
+
+    remap = {old: new for new, old in enumerate(kept)}
+    out = {
+        "tokens": [tokens[i] for i in kept],
+        "parents": [-1] + [remap[parents[i]] for i in kept[1:]],
+        "depths": [depths[i] for i in kept],
+        "sources": [sources[i] for i in kept],
+        "scores": [scores[i] for i in kept],
+    }
+    if n_fta:
+        _add_fta(out, n_fta)
+    # FTA budget it could not use goes back to the next-best ordinary nodes.
+    for i in ranked[budget - n_fta :][: budget + 1 - len(out["tokens"])]:
+        remap[i] = len(out["tokens"])
+        for key, value in zip(out, (tokens[i], remap[parents[i]], depths[i], sources[i], scores[i])):
+            out[key].append(value)
+
+    tree = DraftTree(torch.tensor(out["tokens"], device=device), out["parents"], out["depths"], out["sources"])
+    # Children best-first, so verification tries the likeliest candidate first.
+    for kids in tree.children:
+        kids.sort(key=lambda c: -out["scores"][c])
+    return tree
+
+
+def _add_fta(tree: dict, n_fta: int) -> None:
+    """Full Tree Attention, as real nodes: extend short leaves with tokens from longer paths."""
+    tokens, depths, scores = tree["tokens"], tree["depths"], tree["scores"]
+    max_depth = max(depths)
+    has_child = {p for p in tree["parents"] if p >= 0}
+    # At each depth, the token the kept paths agree on most (best score breaks ties).
+    agreed: dict[int, int] = {}
+    for depth in range(2, max_depth + 1):
+        at_depth = [(t, s) for t, d, s in zip(tokens, depths, scores) if d == depth]
+        counts = Counter(t for t, _ in at_depth)
+        best = {t: max(s for tt, s in at_depth if tt == t) for t in counts}
+        agreed[depth] = max(counts, key=lambda t: (counts[t], best[t]))
+    short_leaves = [i for i in range(1, len(tokens)) if i not in has_child and depths[i] < max_depth]
+    short_leaves.sort(key=lambda i: -scores[i])
+    for leaf in short_leaves[:n_fta]:
+        for key, value in zip(
+            tree, (agreed[depths[leaf] + 1], leaf, depths[leaf] + 1, FTA, scores[leaf] - 1e-3)
+        ):
+            tree[key].append(value)

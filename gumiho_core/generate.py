@@ -1,0 +1,248 @@
+"""One generation loop, two modes: Gumiho speculative decoding, or plain decoding.
+
+Plain decoding is the same loop with a tree that holds only the root, so the baseline and
+the speculative path share every line of caching, sampling and stopping code.
+
+Per step (speculative):
+  1. the serial head reads the newly accepted tokens (with the target features that go
+     with them), and the draft tree is built below the root (the target's last token);
+  2. the target verifies the whole tree in one pass;
+  3. the accepted path and the target's bonus token are emitted; the target cache keeps
+     only the path's entries.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import torch
+
+from .draft_tree import DraftTree, build_draft_tree
+from .errors import ContextTooLong, GumihoError
+from .events import DoneEvent, GenerationStats, StepEvent, TokenPiece
+from .heads import GumihoHeads
+from .sampling import TokenChooser
+from .settings import GenerationSettings
+from .verify import accept, keep_path_in_cache, run_target, tree_attention_mask
+
+
+class Detokenizer:
+    """Incremental decoding: each token's share of the text, whole characters only."""
+
+    def __init__(self, tokenizer, prompt_tail: list[int]):
+        self.tokenizer = tokenizer
+        # A little prompt context so the first token's leading space is decoded right.
+        self.ids = list(prompt_tail)
+        self.prefix = 0
+        self.read = len(self.ids)
+        self.text = ""
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        before = self.tokenizer.decode(self.ids[self.prefix : self.read], skip_special_tokens=True)
+        after = self.tokenizer.decode(self.ids[self.prefix :], skip_special_tokens=True)
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            piece = after[len(before) :]
+            self.prefix, self.read = self.read, len(self.ids)
+            self.text += piece
+            return piece
+        return ""
+
+
+class Engine:
+    """A target model with (optionally) Gumiho heads, producing event streams."""
+
+    def __init__(self, target, heads: GumihoHeads | None = None):
+        self.target = target
+        self.heads = heads
+        self.lock = threading.Lock()  # one generation at a time: caches are per call, compute is not
+        self.last_run: _Run | None = None
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        settings: GenerationSettings | None = None,
+        cancel: threading.Event | None = None,
+    ) -> Iterator[StepEvent | DoneEvent]:
+        settings = settings or GenerationSettings()
+        settings.validate()
+        if settings.speculative and self.heads is None:
+            raise GumihoError("speculative decoding needs draft heads, and none are loaded")
+        prompt_ids = self._fit_context(list(prompt_ids), settings)
+        with self.lock, torch.inference_mode():
+            run = _Run(self, prompt_ids, settings, cancel)
+            self.last_run = run  # kept for inspection: its target cache, its counters
+            yield from run.events()
+
+    def _fit_context(self, prompt_ids: list[int], settings: GenerationSettings) -> list[int]:
+        if not prompt_ids:
+            raise GumihoError("the prompt is empty")
+        limit = self.target.max_context
+        need = len(prompt_ids) + settings.max_new_tokens
+        if need <= limit:
+            return prompt_ids
+        if settings.on_overflow == "truncate" and settings.max_new_tokens < limit:
+            return prompt_ids[need - limit :]
+        raise ContextTooLong(
+            f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({settings.max_new_tokens}) "
+            f"exceeds the model's context of {limit} tokens"
+        )
+
+
+class _Run:
+    """The state of one generation call."""
+
+    def __init__(self, engine: Engine, prompt_ids: list[int], settings: GenerationSettings, cancel):
+        from transformers import DynamicCache
+
+        self.target, self.heads, self.settings, self.cancel = engine.target, engine.heads, settings, cancel
+        self.device = self.target.device
+        self.cache = DynamicCache(config=self.target.config)
+        self.chooser = TokenChooser(settings.sampling, device=self.device)
+        self.prompt = prompt_ids
+        # Every token so far: the prompt, the answer, and last the root (the target's newest
+        # token, not yet in its cache). It is the repetition-penalty context of the root.
+        self.context = torch.tensor(prompt_ids, device=self.device)
+        self.new_ids: list[int] = []
+        self.detok = Detokenizer(self.target.tokenizer, prompt_ids[-4:])
+        self.eos = self.target.eos_token_ids
+        self.stats = GenerationStats(
+            speculative=settings.speculative, prompt_tokens=len(prompt_ids), tree=settings.tree.__dict__.copy()
+        )
+        self.finish_reason: str | None = None
+        self.draft_cache = self.heads.new_cache() if settings.speculative else None
+
+    # -- the loop ---------------------------------------------------------------------
+    def events(self) -> Iterator[StepEvent | DoneEvent]:
+        start = time.perf_counter()
+        root, features = self._prefill()
+        self.stats.ttft_s = time.perf_counter() - start
+        yield self._emit([], root, [], tree_size=0, draft_ms=0.0, verify_ms=self.stats.ttft_s * 1e3)
+        # Features waiting for the serial head: those of the tokens accepted last step.
+        pending = features
+        while self.finish_reason is None:
+            if self.cancel is not None and self.cancel.is_set():
+                self.finish_reason = "cancelled"
+                break
+            past_len = self.cache.get_seq_length()
+            t0 = time.perf_counter()
+            tree = self._draft(root, pending, past_len) if self.settings.speculative else DraftTree.root_only(root)
+            t1 = time.perf_counter()
+            tree_tokens = tree.tokens.to(self.device)
+            positions = past_len + torch.tensor(tree.depths, device=self.device)
+            mask = None
+            if len(tree) > 1:
+                mask = tree_attention_mask(tree, past_len, self.target.base.dtype, self.device)
+            features, logits = run_target(self.target, self.cache, tree_tokens, positions, mask)
+            result = accept(tree, logits, self.chooser, self.context)
+            keep_path_in_cache(self.cache, past_len, result.path)
+            t2 = time.perf_counter()
+            self.stats.forward_passes += 1
+            self.stats.draft_s += t1 - t0
+            self.stats.verify_s += t2 - t1
+            self._count_acceptance(tree, result.path)
+            pending = features[result.path]
+            drafted = result.path[1:]
+            root = result.bonus
+            self.context = torch.cat([self.context, tree_tokens[drafted], self._tensor([root])])
+            yield self._emit(
+                [(int(tree_tokens[n]), tree.sources[n], tree.depths[n]) for n in drafted],
+                root,
+                result.rejected,
+                tree_size=len(tree),
+                draft_ms=(t1 - t0) * 1e3,
+                verify_ms=(t2 - t1) * 1e3,
+            )
+        self.stats.total_s = time.perf_counter() - start
+        yield DoneEvent(self.detok.text, list(self.new_ids), self.finish_reason, self.stats)
+
+    def _prefill(self) -> tuple[int, torch.Tensor]:
+        ids = self.context
+        positions = torch.arange(len(ids), device=self.device)
+        features, logits = run_target(self.target, self.cache, ids, positions, logits_for=[-1])
+        self.stats.forward_passes += 1
+        root = self.chooser.choose(logits[0], ids)
+        self.context = torch.cat([ids, self._tensor([root])])
+        return root, features
+
+    def _tensor(self, ids: list[int]) -> torch.Tensor:
+        return torch.tensor(ids, dtype=torch.long, device=self.device)
+
+    def _draft(self, root: int, pending: torch.Tensor, past_len: int) -> DraftTree:
+        """Feed the serial head the accepted tokens, then draft below `root`."""
+        heads, cache = self.heads, self.draft_cache
+        start = len(cache)
+        # Draft position i reads (token i+1, target feature i): the tokens shifted by one,
+        # which ends with the root.
+        shifted = self.context[start + 1 :]
+        u = heads.fc_input(self.target.embed_tokens(shifted), pending.to(heads.dtype))
+        positions = torch.arange(start, start + len(shifted), device=self.device)
+        out = heads.serial(u[None], positions, cache)[0]
+        room = self.target.max_context - past_len - 1
+        return build_draft_tree(
+            heads,
+            self.target.embed_tokens,
+            self.target.lm_head,
+            cache,
+            root,
+            out[-1],
+            u[-1],
+            self.settings.tree,
+            max_depth=max(1, room),
+        )
+
+    # -- bookkeeping ----------------------------------------------------------------------
+    def _count_acceptance(self, tree: DraftTree, path: list[int]) -> None:
+        if len(tree) == 1:
+            return
+        for depth, node in enumerate(path):
+            if not tree.children[node]:
+                break
+            self._grow(depth + 1)
+            self.stats.offered_at_depth[depth] += 1
+            if depth + 1 < len(path):
+                self.stats.accepted_at_depth[depth] += 1
+
+    def _grow(self, n: int) -> None:
+        for name in ("accepted_at_depth", "offered_at_depth"):
+            counts = getattr(self.stats, name)
+            counts.extend([0] * (n - len(counts)))
+
+    def _emit(self, drafted, bonus, rejected, tree_size, draft_ms, verify_ms) -> StepEvent:
+        pieces = []
+        for token, origin, depth in [*drafted, (bonus, "target", 0)]:
+            if self.finish_reason is not None:
+                break
+            pieces.append(TokenPiece(token, self.detok.push(token), origin, depth))
+            self.new_ids.append(token)
+            self._check_stop(token)
+        self.stats.new_tokens = len(self.new_ids)
+        if self.finish_reason is None and len(self.context) + 1 >= self.target.max_context:
+            self.finish_reason = "context"
+        decode = self.target.tokenizer.decode
+        refused = [TokenPiece(t, decode([t]), "rejected", 0) for t in rejected]
+        return StepEvent(pieces, refused, tree_size, draft_ms, verify_ms)
+
+    def _check_stop(self, token: int) -> None:
+        if token in self.eos:
+            self.finish_reason = "eos"
+        elif len(self.new_ids) >= self.settings.max_new_tokens:
+            self.finish_reason = "length"
+        elif self.settings.stop_strings:
+            text = self.detok.text
+            for stop in self.settings.stop_strings:
+                at = text.find(stop)
+                if at >= 0:
+                    self.detok.text = text[:at]
+                    self.finish_reason = "stop"
+                    return
+
+
+def run_to_end(engine: Engine, prompt_ids: list[int], settings: GenerationSettings | None = None) -> DoneEvent:
+    """Consume a generation and return its final event (for scripts, tests, benchmarks)."""
+    done = None
+    for event in engine.generate(prompt_ids, settings):
+        if isinstance(event, DoneEvent):
+            done = event
+    return done

