@@ -1,0 +1,193 @@
+"""Lossless is the law: speculative output == plain output == transformers `generate`.
+
+Tiny random Llama targets built here keep this fast on a CPU. Untrained heads rarely
+guess right, so a second family of tests swaps in an *oracle* drafter that knows the
+target's greedy continuation (and corrupts it at random depths): that drives long
+accepted paths, EOS and max_new_tokens inside an accepted path, and paths that are not a
+prefix of the tree's layout, through the same verification and cache code.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from gumiho_core import Engine, GenerationSettings, TreeSettings, new_heads, run_to_end
+from gumiho_core.draft_tree import DraftTree
+from gumiho_core import generate as generate_module
+from tiny import EOS, random_prompts, tiny_target
+
+TREES = [
+    TreeSettings(),
+    TreeSettings(top_k=2, total_tokens=6, depth=3, mlp_topk=2, pruning=3, fta=False, fta_tokens=0),
+    TreeSettings(top_k=5, total_tokens=24, depth=7, mlp_topk=5, pruning=10, fta=True, fta_tokens=4),
+    TreeSettings(top_k=1, total_tokens=4, depth=2, mlp_topk=1, pruning=1, fta=True, fta_tokens=1),
+    TreeSettings(top_k=3, total_tokens=12, depth=1, fta=False, fta_tokens=0),
+]
+
+
+def hf_greedy(target, prompt, max_new_tokens):
+    out = target.model.generate(
+        torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
+    )
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target(seed=0, eos=False)
+
+
+@pytest.fixture(scope="module")
+def engine(target):
+    return Engine(target, new_heads(target))
+
+
+@pytest.mark.parametrize("tree", TREES, ids=lambda t: f"k{t.top_k}-n{t.total_tokens}-d{t.depth}-fta{int(t.fta)}")
+def test_greedy_speculative_equals_plain_and_hf_generate(engine, target, tree):
+    for prompt in random_prompts(6, seed=tree.total_tokens):
+        settings = GenerationSettings(max_new_tokens=24, tree=tree)
+        spec = run_to_end(engine, prompt, settings)
+        plain = run_to_end(engine, prompt, settings.with_(speculative=False))
+        assert spec.token_ids == plain.token_ids == hf_greedy(target, prompt, 24)
+        assert plain.stats.forward_passes == 24 and plain.stats.tau == 1.0
+        assert spec.finish_reason == plain.finish_reason == "length"
+
+
+def test_eos_stops_like_hf_generate():
+    target = tiny_target(seed=3, eos=True, vocab=24)  # small vocabulary: EOS comes soon
+    engine = Engine(target, new_heads(target))
+    saw_eos = 0
+    for prompt in random_prompts(12, seed=5, vocab=24):
+        spec = run_to_end(engine, prompt, GenerationSettings(max_new_tokens=40))
+        plain = run_to_end(engine, prompt, GenerationSettings(max_new_tokens=40, speculative=False))
+        assert spec.token_ids == plain.token_ids == hf_greedy(target, prompt, 40)
+        if spec.finish_reason == "eos":
+            saw_eos += 1
+            assert spec.token_ids[-1] == EOS and EOS not in spec.token_ids[:-1]
+    assert saw_eos > 0, "the test should exercise EOS"
+
+
+# -- an oracle drafter: the target's own continuation, corrupted at random depths -------------
+
+
+def oracle_tree(root: int, truth: list[int], rng: random.Random, vocab: int, size: int) -> DraftTree:
+    """A tree whose true path is `truth` up to a random corruption, with random siblings,
+    laid out in a shuffled (but parents-first) order."""
+    depth = len(truth)
+    corrupt_at = rng.choice([None, None, *range(depth)])  # often fully right
+    path = [t if i != corrupt_at else (t + 1 + rng.randrange(vocab - 4)) % vocab for i, t in enumerate(truth)]
+    nodes = [(0, -1, root)]  # (depth, parent index in `nodes`, token)
+    parent = 0
+    for d, token in enumerate(path, start=1):
+        nodes.append((d, parent, token))
+        parent = len(nodes) - 1
+    while len(nodes) < size:  # distractors hanging anywhere
+        p = rng.randrange(len(nodes))
+        if nodes[p][0] < depth + 1:
+            nodes.append((nodes[p][0] + 1, p, rng.randrange(3, vocab)))
+    # Shuffle within each depth, keep depth order so parents come first.
+    order = sorted(range(len(nodes)), key=lambda i: (nodes[i][0], rng.random()))
+    order.remove(0)
+    order = [0, *order]
+    new_index = {old: new for new, old in enumerate(order)}
+    tokens = [nodes[i][2] for i in order]
+    parents = [-1] + [new_index[nodes[i][1]] for i in order[1:]]
+    depths = [nodes[i][0] for i in order]
+    sources = ["root"] + ["serial" if d <= 2 else "mlp" for d in depths[1:]]
+    return DraftTree(torch.tensor(tokens), parents, depths, sources)
+
+
+@pytest.fixture
+def oracle(monkeypatch):
+    """Patch the engine's drafter with `oracle_tree`; `truth` is the full plain answer."""
+    state = {"truth": [], "rng": random.Random(0), "size": 12, "depth": 5, "vocab": 96}
+
+    def fake_draft(run, root, pending, past_len):
+        k = len(run.new_ids)  # the root is new token k-1; its continuation starts at k
+        truth = state["truth"][k : k + state["depth"]]
+        if not truth:
+            return DraftTree.root_only(root)
+        return oracle_tree(root, truth, state["rng"], state["vocab"], state["size"])
+
+    monkeypatch.setattr(generate_module._Run, "_draft", fake_draft)
+    return state
+
+
+def test_oracle_long_paths_are_lossless_and_cache_matches_plain(target, engine, oracle):
+    for i, prompt in enumerate(random_prompts(8, seed=11)):
+        reference = hf_greedy(target, prompt, 60)
+        oracle.update(truth=reference + [5] * 10, rng=random.Random(i), size=4 + 3 * i, depth=1 + i % 6)
+        spec = run_to_end(engine, prompt, GenerationSettings(max_new_tokens=60))
+        spec_cache = engine.last_run.cache
+        assert spec.token_ids == reference
+        assert spec.stats.tau > 1.5, "the oracle should produce long accepted paths"
+        run_to_end(engine, prompt, GenerationSettings(max_new_tokens=60, speculative=False))
+        plain_cache = engine.last_run.cache
+        n = plain_cache.get_seq_length()
+        assert spec_cache.get_seq_length() >= n
+        for a, b in zip(spec_cache.layers, plain_cache.layers):
+            torch.testing.assert_close(a.keys[:, :, :n], b.keys, atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(a.values[:, :, :n], b.values, atol=1e-5, rtol=1e-4)
+
+
+def test_max_new_tokens_inside_an_accepted_path(target, engine, oracle):
+    prompt = random_prompts(1, seed=21)[0]
+    reference = hf_greedy(target, prompt, 40)
+    for limit in (1, 2, 3, 7, 11, 13):
+        oracle.update(truth=reference, rng=random.Random(limit), size=10, depth=6)
+        spec = run_to_end(engine, prompt, GenerationSettings(max_new_tokens=limit))
+        assert spec.token_ids == reference[:limit]
+        assert spec.finish_reason == "length"
+
+
+def test_eos_inside_an_accepted_path(oracle):
+    target = tiny_target(seed=3, eos=True, vocab=24)
+    engine = Engine(target, new_heads(target))
+    hits = 0
+    for i, prompt in enumerate(random_prompts(12, seed=5, vocab=24)):
+        reference = hf_greedy(target, prompt, 40)
+        # The oracle keeps drafting past EOS, so EOS sits inside accepted paths.
+        oracle.update(truth=reference + [7, 8, 9, 10, 11, 12], rng=random.Random(i), size=10, depth=6, vocab=24)
+        spec = run_to_end(engine, prompt, GenerationSettings(max_new_tokens=40))
+        assert spec.token_ids == reference
+        if reference[-1] == EOS:
+            hits += 1
+            assert spec.finish_reason == "eos"
+    assert hits > 0
+
+
+def test_stop_string_cuts_text(target, engine):
+    prompt = random_prompts(1, seed=2)[0]
+    full = run_to_end(engine, prompt, GenerationSettings(max_new_tokens=12, speculative=False))
+    word = full.text.split()[5]
+    stopped = run_to_end(engine, prompt, GenerationSettings(max_new_tokens=12, stop_strings=(word,)))
+    assert stopped.finish_reason == "stop"
+    assert word not in stopped.text and full.text.startswith(stopped.text)
+
+
+def test_cancel_stops_between_steps(target, engine):
+    import threading
+
+    cancel = threading.Event()
+    events = []
+    for event in engine.generate(random_prompts(1)[0], GenerationSettings(max_new_tokens=50), cancel=cancel):
+        events.append(event)
+        if len(events) == 3:
+            cancel.set()
+    assert events[-1].kind == "done" and events[-1].finish_reason == "cancelled"
+    assert 1 <= len(events[-1].token_ids) < 50
+    # The engine is clean for the next call.
+    again = run_to_end(engine, random_prompts(1)[0], GenerationSettings(max_new_tokens=10))
+    assert again.token_ids == hf_greedy(target, random_prompts(1)[0], 10)
+
+
+def test_float64_targets_and_gqa_free_heads():
+    """A different dtype and attention layout stay lossless too."""
+    target = tiny_target(seed=7, eos=False, dtype=torch.float64)
+    engine = Engine(target, new_heads(target))
+    for prompt in random_prompts(3, seed=9):
+        spec = run_to_end(engine, prompt, GenerationSettings(max_new_tokens=16))
+        assert spec.token_ids == hf_greedy(target, prompt, 16)

@@ -1,0 +1,154 @@
+"""Under sampling, speculative decoding must give exactly the target's distribution.
+
+Chi-square tests with fixed seeds: the correct acceptance rule passes, a deliberately
+broken one (accepting a candidate with probability min(1, 2p) instead of p) fails.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gumiho_core import Engine, GenerationSettings, SamplingSettings, TreeSettings, new_heads, run_to_end
+from gumiho_core.draft_tree import DraftTree
+from gumiho_core.sampling import TokenChooser, apply_repetition_penalty, warp
+from gumiho_core.verify import accept
+from tiny import tiny_target
+
+
+def chi2_critical(df: int, z: float = 3.09) -> float:
+    """Upper 0.001 point of chi-square(df), Wilson-Hilferty approximation (df 7: 24.3)."""
+    a = 2 / (9 * df)
+    return df * (1 - a + z * a**0.5) ** 3
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    """Pearson's statistic, pooling cells with tiny expectations into one."""
+    n = counts.sum()
+    expected = probs * n
+    big = expected >= 5
+    stat = (((counts[big] - expected[big]) ** 2) / expected[big]).sum()
+    rest_c, rest_e = counts[~big].sum(), expected[~big].sum()
+    cells = int(big.sum())
+    if rest_e > 0:
+        stat += (rest_c - rest_e) ** 2 / rest_e
+        cells += 1
+    return float(stat), cells - 1
+
+
+def _broken(monkeypatch):
+    real = TokenChooser.uniform
+    monkeypatch.setattr(TokenChooser, "uniform", lambda self: real(self) / 2)
+
+
+def first_token_counts(n_samples: int, vocab: int = 8, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(4, vocab, generator=g) * 1.5
+    # root -> candidates 3, 1, 5 (best first); node of 3 -> candidate 2
+    tree = DraftTree(torch.tensor([0, 3, 1, 5, 2]), [-1, 0, 0, 0, 1], [0, 1, 1, 1, 2], ["root"] + ["serial"] * 4)
+    logits = torch.cat([logits, logits[:1]])
+    chooser = TokenChooser(SamplingSettings(temperature=1.0, seed=seed))
+    counts = torch.zeros(vocab)
+    tokens = tree.tokens.tolist()
+    for _ in range(n_samples):
+        result = accept(tree, logits, chooser, torch.tensor([], dtype=torch.long))
+        first = tokens[result.path[1]] if len(result.path) > 1 else result.bonus
+        counts[first] += 1
+    return counts, torch.softmax(logits[0], -1)
+
+
+def test_accept_rule_reproduces_target_distribution():
+    counts, probs = first_token_counts(20000)
+    stat, df = chi_square(counts, probs)
+    assert stat < chi2_critical(df), (stat, counts, probs * counts.sum())
+
+
+def test_broken_accept_rule_is_detected(monkeypatch):
+    _broken(monkeypatch)
+    counts, probs = first_token_counts(20000)
+    stat, df = chi_square(counts, probs)
+    assert stat > chi2_critical(df), "a rule that over-accepts drafts must fail this test"
+
+
+# -- end to end through the engine: the distribution of the second new token ---------------
+
+VOCAB = 16
+PROMPT = [1, 5, 9, 4, 12]
+SAMPLING = dict(temperature=0.9, top_p=0.95)
+
+
+@pytest.fixture(scope="module")
+def small():
+    target = tiny_target(seed=4, vocab=VOCAB, eos=False, std=0.4)
+    return target, Engine(target, new_heads(target))
+
+
+def exact_second_token(target) -> torch.Tensor:
+    """P(t2) = sum over t1 of p(t1 | prompt) p(t2 | prompt, t1), with the same warping."""
+    settings = SamplingSettings(**SAMPLING)
+    chooser = TokenChooser(settings)
+    with torch.no_grad():
+        base = target.model(torch.tensor([PROMPT])).logits[0, -1]
+        p1 = chooser.probs(base, torch.tensor(PROMPT))
+        batch = torch.tensor([PROMPT + [t] for t in range(VOCAB)])
+        logits = target.model(batch).logits[:, -1]
+    p2 = torch.stack([chooser.probs(logits[t], batch[t]) for t in range(VOCAB)])
+    return (p1[:, None] * p2).sum(0)
+
+
+def second_token_counts(engine, n: int) -> torch.Tensor:
+    counts = torch.zeros(VOCAB)
+    tree = TreeSettings(top_k=3, total_tokens=8, depth=3, mlp_topk=2, pruning=3, fta=True, fta_tokens=1)
+    for seed in range(n):
+        settings = GenerationSettings(
+            max_new_tokens=2, tree=tree, sampling=SamplingSettings(seed=seed, **SAMPLING)
+        )
+        done = run_to_end(engine, PROMPT, settings)
+        counts[done.token_ids[1]] += 1
+    return counts
+
+
+def test_speculative_sampling_matches_target_distribution(small):
+    target, engine = small
+    stat, df = chi_square(second_token_counts(engine, 2500), exact_second_token(target))
+    assert stat < chi2_critical(df), stat
+
+
+def test_engine_with_broken_rule_is_detected(small, monkeypatch):
+    target, engine = small
+    _broken(monkeypatch)
+    stat, df = chi_square(second_token_counts(engine, 2500), exact_second_token(target))
+    assert stat > chi2_critical(df), stat
+
+
+def test_warping_matches_transformers():
+    from transformers.generation.logits_process import (
+        RepetitionPenaltyLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        logits = torch.randn(1, 50, generator=g) * 3
+        context = torch.randint(0, 50, (1, 12), generator=g)
+        s = SamplingSettings(temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.3)
+        ours = warp(apply_repetition_penalty(logits[0], context[0], 1.3), s)
+        ref = RepetitionPenaltyLogitsProcessor(1.3)(context, logits.clone())
+        for w in (TemperatureLogitsWarper(0.7), TopKLogitsWarper(20), TopPLogitsWarper(0.8)):
+            ref = w(context, ref)
+        assert torch.equal(torch.isinf(ours), torch.isinf(ref[0]))
+        finite = ~torch.isinf(ours)
+        torch.testing.assert_close(ours[finite], ref[0][finite])
+
+
+def test_greedy_repetition_penalty_matches_hf_generate():
+    target = tiny_target(seed=2, eos=False)
+    engine = Engine(target, new_heads(target))
+    prompt = [1, 7, 8, 9, 7, 8]
+    settings = GenerationSettings(max_new_tokens=20, sampling=SamplingSettings(repetition_penalty=1.4))
+    spec = run_to_end(engine, prompt, settings)
+    ref = target.model.generate(
+        torch.tensor([prompt]), max_new_tokens=20, do_sample=False, repetition_penalty=1.4, pad_token_id=0
+    )[0, len(prompt):].tolist()
+    assert spec.token_ids == ref
