@@ -75,7 +75,6 @@ def cmd_generate(args) -> int:
     from .events import DoneEvent, StepEvent
     from .settings import GenerationSettings, SamplingSettings
 
-    engine, heads_note = load_engine(args, need_heads=not args.no_speculative)
     settings = GenerationSettings(
         max_new_tokens=args.max_new_tokens,
         speculative=not args.no_speculative,
@@ -90,6 +89,8 @@ def cmd_generate(args) -> int:
         stop_strings=tuple(args.stop or ()),
         on_overflow="truncate" if args.truncate else "error",
     )
+    settings.validate()  # before the model loads: a typo should not cost a load
+    engine, heads_note = load_engine(args, need_heads=not args.no_speculative)
     messages = []
     if args.system:
         messages.append({"role": "system", "content": args.system})

