@@ -21,7 +21,7 @@ import torch
 from .draft_tree import DraftTree, build_draft_tree
 from .errors import ContextTooLong, GumihoError
 from .events import DoneEvent, GenerationStats, StepEvent, TokenPiece
-from .heads import GumihoHeads
+from .heads import DraftHead, GumihoHeads
 from .sampling import TokenChooser
 from .settings import GenerationSettings
 from .verify import accept, keep_path_in_cache, run_target, tree_attention_mask
@@ -58,6 +58,7 @@ class Engine:
         self.heads = heads
         self.lock = threading.Lock()  # one generation at a time: caches are per call, compute is not
         self.last_run: _Run | None = None
+        self.draft_head = None if heads is None else DraftHead(target.lm_head, heads.draft_vocab)
 
     def generate(
         self,
@@ -97,6 +98,7 @@ class _Run:
         from transformers import DynamicCache
 
         self.target, self.heads, self.settings, self.cancel = engine.target, engine.heads, settings, cancel
+        self.draft_head = engine.draft_head
         self.device = self.target.device
         self.cache = DynamicCache(config=self.target.config)
         self.chooser = TokenChooser(settings.sampling, device=self.device)
@@ -183,7 +185,7 @@ class _Run:
         return build_draft_tree(
             heads,
             self.target.embed_tokens,
-            self.target.lm_head,
+            self.draft_head,
             cache,
             root,
             out[-1],

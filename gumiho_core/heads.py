@@ -41,6 +41,10 @@ class HeadConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     head_dim: int | None = None
+    # Drafting over the whole vocabulary costs a 49k-row lm_head per draft row on the
+    # default model; heads may carry a list of frequent token ids to draft from instead
+    # (0 = the whole vocabulary). Verification always uses the full vocabulary.
+    draft_vocab_size: int = 0
     target: dict = field(default_factory=dict)  # name / sizes of the target trained for
 
     @property
@@ -212,6 +216,10 @@ class GumihoHeads(nn.Module):
         self.fc = nn.Linear(2 * h, h, bias=True)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.mlp_heads = nn.ModuleList(ParallelHead(h, config.mlp_blocks) for _ in range(config.num_mlp_heads))
+        if config.draft_vocab_size:
+            self.register_buffer("draft_vocab", torch.arange(config.draft_vocab_size))
+        else:
+            self.draft_vocab = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -249,6 +257,36 @@ class GumihoHeads(nn.Module):
     def parallel(self, u_pair: torch.Tensor) -> torch.Tensor:
         """MLP heads on [u_s, u_{s+1}] (..., 2H) -> (num_mlp_heads, ..., H)."""
         return torch.stack([head(u_pair) for head in self.mlp_heads])
+
+
+def with_draft_vocab(heads: GumihoHeads, token_ids) -> GumihoHeads:
+    """Copy of `heads` that drafts only from `token_ids` (e.g. the most frequent tokens)."""
+    ids = torch.as_tensor(sorted(set(int(t) for t in token_ids)), dtype=torch.long)
+    config = HeadConfig(**{**asdict(heads.config), "draft_vocab_size": len(ids)})
+    out = GumihoHeads(config).to(device=heads.fc.weight.device, dtype=heads.dtype)
+    state = {k: v for k, v in heads.state_dict().items() if k != "draft_vocab"}
+    out.load_state_dict({**state, "draft_vocab": ids.to(heads.fc.weight.device)})
+    out.eval().requires_grad_(False)
+    return out
+
+
+class DraftHead:
+    """The target's lm_head as the drafter uses it, over the heads' draft vocabulary."""
+
+    def __init__(self, lm_head: nn.Module, token_ids: torch.Tensor | None = None):
+        weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
+        self.token_ids = token_ids
+        if token_ids is not None:
+            weight = weight[token_ids].contiguous()
+            bias = None if bias is None else bias[token_ids]
+        self.weight, self.bias = weight, bias
+
+    def log_probs(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(F.linear(x.to(self.weight.dtype), self.weight, self.bias).float(), dim=-1)
+
+    def tokens(self, index: torch.Tensor) -> torch.Tensor:
+        """Positions in the draft vocabulary -> token ids of the target."""
+        return index if self.token_ids is None else self.token_ids[index]
 
 
 def causal_mask(t: int, past: int, device) -> torch.Tensor:

@@ -191,3 +191,30 @@ def test_float64_targets_and_gqa_free_heads():
     for prompt in random_prompts(3, seed=9):
         spec = run_to_end(engine, prompt, GenerationSettings(max_new_tokens=16))
         assert spec.token_ids == hf_greedy(target, prompt, 16)
+
+
+def test_reduced_draft_vocabulary_stays_lossless(target, tmp_path):
+    from gumiho_core import HeadCheckpoint
+    from gumiho_core.heads import with_draft_vocab
+
+    heads = with_draft_vocab(new_heads(target), range(3, 40))
+    HeadCheckpoint.save(heads, tmp_path / "h")
+    loaded = HeadCheckpoint.load(tmp_path / "h", target)
+    assert loaded.draft_vocab.tolist() == list(range(3, 40))
+    engine = Engine(target, loaded)
+    drafted = set()
+    original = generate_module.build_draft_tree
+
+    def spy(*args, **kwargs):
+        tree = original(*args, **kwargs)
+        drafted.update(tree.tokens[1:].tolist())
+        return tree
+
+    generate_module.build_draft_tree = spy
+    try:
+        for prompt in random_prompts(4, seed=3):
+            spec = run_to_end(engine, prompt, GenerationSettings(max_new_tokens=20))
+            assert spec.token_ids == hf_greedy(target, prompt, 20)
+    finally:
+        generate_module.build_draft_tree = original
+    assert drafted and drafted <= set(range(3, 40))

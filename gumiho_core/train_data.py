@@ -1,0 +1,425 @@
+"""Self-distilled training data for the Gumiho heads: `python launch.py train-data ...`.
+
+The heads must imitate the *target*, so the data is the target talking to itself: it
+answers a set of prompts (greedy, batched with left padding) through its own chat
+template, and for every finished conversation we store
+  - input_ids: the whole conversation (prompt + answer), int32;
+  - features:  the target's last-layer hidden states, post final norm
+               (`target.base(...).last_hidden_state`, exactly what the heads read at
+               draft time), float16 by default;
+  - loss_mask: 1 where training should count (the answer tokens, or every token).
+
+Layout of an output folder:
+  manifest.json           {"format", "target", "mask", "shards": [...], "done": [...]}
+  shard-00000.safetensors  conversations concatenated; `offsets` marks where each starts
+
+Interrupting and rerunning the same command resumes: prompts already in a shard are
+skipped (the manifest lists their indices), and a shard appears in the manifest only once
+it is fully written.
+
+Prompts come from a built-in generator (chat, writing, coding, math word problems,
+summarisation, factual questions, multi-turn) and/or a JSONL file the user gives. The
+benchmark question files (/work/shared/bench, or any file named like them) are refused:
+training on the test set would make tau meaningless.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import GumihoError
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+BENCH_NAMES = {"mt_bench.jsonl", "humaneval.jsonl", "gsm8k.jsonl"}
+
+
+# ---------------------------------------------------------------------------------------
+# Prompts: a deterministic generator of varied requests, and a JSONL reader
+# ---------------------------------------------------------------------------------------
+
+TOPICS = [
+    "the ocean", "volcanoes", "honey bees", "the Roman Empire", "black holes", "coffee", "chess",
+    "climate change", "the human heart", "electric cars", "the Moon", "photosynthesis", "jazz",
+    "the printing press", "rainforests", "sleep", "vaccines", "the internet", "pyramids",
+    "recycling", "earthquakes", "penguins", "solar energy", "the French Revolution", "bread baking",
+    "friendship", "time management", "learning a language", "gardening", "running a marathon",
+    "the stock market", "artificial intelligence", "public libraries", "bicycles", "rivers",
+    "dinosaurs", "the immune system", "music practice", "city parks", "the Silk Road",
+    "glaciers", "video games", "tea ceremonies", "mountain hiking", "robots", "owls",
+    "the water cycle", "ancient Egypt", "remote work", "healthy breakfasts",
+]
+AUDIENCES = ["a child", "a teenager", "a busy adult", "a beginner", "an expert", "my grandmother"]
+FORMS = ["a short poem", "a haiku", "a short story", "a limerick", "a diary entry", "a speech",
+         "a product description", "a letter", "a dialogue between two friends", "a news headline and lede"]
+TONES = ["funny", "serious", "inspiring", "calm", "dramatic", "friendly"]
+CODE_TASKS = [
+    "reverses a string", "checks whether a number is prime", "computes the nth Fibonacci number",
+    "counts the words in a sentence", "removes duplicates from a list while keeping order",
+    "finds the largest element of a list", "converts Celsius to Fahrenheit", "merges two sorted lists",
+    "checks whether a string is a palindrome", "flattens a nested list", "computes a factorial",
+    "returns the most common character in a string", "sorts a list of dictionaries by a key",
+    "parses a date string like 2024-03-01", "implements binary search", "reads a CSV file and sums a column",
+    "validates an email address with a regular expression", "computes the greatest common divisor",
+    "transposes a matrix", "implements a simple stack class",
+]
+LANGUAGES = ["Python", "JavaScript", "C", "Java", "Rust", "Go", "SQL", "Bash"]
+NAMES = ["Ana", "Ben", "Chloe", "David", "Emma", "Farid", "Grace", "Hiro", "Ines", "Jonas", "Kofi", "Lena"]
+ITEMS = [("apples", 3), ("pencils", 2), ("stickers", 1), ("books", 12), ("cupcakes", 4), ("marbles", 1),
+         ("tickets", 15), ("notebooks", 5), ("oranges", 2), ("toy cars", 7)]
+PASSAGES = [
+    "The city council met on Tuesday to discuss a new bike lane on Main Street. Supporters said it would "
+    "make cycling safer and cut traffic, while some shop owners worried about losing parking spaces. "
+    "The council agreed to run a six-month trial before making a final decision.",
+    "Researchers found that people who took a short walk after lunch reported feeling more focused in the "
+    "afternoon. The study followed 200 office workers for eight weeks. The effect was strongest for those "
+    "who walked outdoors rather than indoors.",
+    "Our team finished the quarter with sales up 12 percent, mostly thanks to the new online store. "
+    "Shipping delays hurt customer reviews in March, but a new warehouse partner fixed the problem in April. "
+    "Next quarter we plan to expand into two new regions.",
+    "The library will close for renovations from June to August. During that time, books can be returned "
+    "at the community center, and the children's reading club will meet in the park on Saturday mornings. "
+    "The renovated library will have a larger study area and a new computer lab.",
+    "A small bakery in the village started using solar panels last year. Its energy bills fell by almost half, "
+    "and the owner used the savings to hire another baker. Other shops on the street are now considering "
+    "doing the same.",
+]
+FOLLOW_UPS = ["Can you make it shorter?", "Now explain it in simpler words.", "Give me one more example.",
+              "Can you turn that into a list of three bullet points?", "What is the most important point?",
+              "Rewrite it in a more formal tone.", "Why is that?", "Thanks! Can you add a short conclusion?"]
+
+
+def builtin_prompts(n: int, seed: int = 0) -> list[list[str]]:
+    """`n` conversations, each a list of user turns, from templates over varied fillers.
+
+    Deterministic for a given seed, so a resumed run sees the same list in the same order.
+    """
+    rng = random.Random(seed)
+    makers = [_chat, _writing, _coding, _math, _summary, _factual, _multi_turn]
+    return [makers[i % len(makers)](rng) for i in range(n)]
+
+
+def _chat(rng) -> list[str]:
+    topic = rng.choice(TOPICS)
+    return [rng.choice([
+        f"Hi! I'm curious about {topic}. What should I know?",
+        f"Can you give me some tips about {topic}?",
+        f"What do you think is the most interesting thing about {topic}?",
+        f"I have to talk about {topic} tomorrow and I'm nervous. Any advice?",
+        f"Explain {topic} to {rng.choice(AUDIENCES)}.",
+        f"What are the pros and cons of {rng.choice(['working from home', 'living in a big city', 'owning a dog', 'studying abroad', 'waking up early', 'social media'])}?",
+        f"How can I get better at {rng.choice(['cooking', 'public speaking', 'drawing', 'saving money', 'writing', 'focusing'])}?",
+    ])]
+
+
+def _writing(rng) -> list[str]:
+    return [f"Write {rng.choice(FORMS)} about {rng.choice(TOPICS)}. Make it {rng.choice(TONES)}."]
+
+
+def _coding(rng) -> list[str]:
+    lang, task = rng.choice(LANGUAGES), rng.choice(CODE_TASKS)
+    return [rng.choice([
+        f"Write a {lang} function that {task}.",
+        f"How do I write code in {lang} that {task}? Please explain the steps.",
+        f"Write a {lang} function that {task}, with a short example of using it.",
+    ])]
+
+
+def _math(rng) -> list[str]:
+    a, b = rng.sample(NAMES, 2)
+    (item, price), x, y = rng.choice(ITEMS), rng.randint(3, 40), rng.randint(2, 9)
+    return [rng.choice([
+        f"{a} has {x} {item} and buys {y} more packs of {y} each. How many {item} does {a} have now?",
+        f"{item.capitalize()} cost ${price} each. {a} buys {x} and pays with a ${price * x + y * 5} bill. How much change does {a} get?",
+        f"{a} and {b} share {x * y} {item} so that {a} gets {y - 1} times as many as {b}. Is that possible with whole numbers? Explain.",
+        f"A train travels {x * 10} km in {y} hours. What is its average speed? Then, how far would it go in {y + 2} hours?",
+        f"{a} saves ${x} every week. How many weeks until {a} can buy a bike that costs ${x * y + price}?",
+        f"What is {x} times {y}, plus {price * 7}? Show your work step by step.",
+    ])]
+
+
+def _summary(rng) -> list[str]:
+    passage = rng.choice(PASSAGES)
+    ask = rng.choice(["Summarize this in one sentence:", "Summarize the following text:",
+                      "What are the key points of this text?", "Write a title for this text and then summarize it:"])
+    return [f"{ask}\n\n{passage}"]
+
+
+def _factual(rng) -> list[str]:
+    topic = rng.choice(TOPICS)
+    return [rng.choice([
+        f"What is {topic}?", f"Tell me three facts about {topic}.", f"What is the history of {topic}?",
+        f"Why is {topic} important?", f"How does {topic} work?",
+        f"What is the capital of {rng.choice(['France', 'Japan', 'Brazil', 'Canada', 'Kenya', 'Australia', 'Egypt', 'India'])}?",
+        f"Who invented the {rng.choice(['telephone', 'light bulb', 'airplane', 'printing press', 'World Wide Web'])}?",
+    ])]
+
+
+def _multi_turn(rng) -> list[str]:
+    first = rng.choice([_chat, _writing, _factual, _coding])(rng)
+    return first + [rng.choice(FOLLOW_UPS)]
+
+
+def read_prompt_file(path: str | Path) -> list[list[str]]:
+    """A JSONL file of prompts: each line {"turns": [...]}, {"prompt": "..."}, or a JSON string."""
+    path = Path(path)
+    if path.name in BENCH_NAMES or "bench" in path.parts:
+        raise GumihoError(f"{path} looks like a benchmark question file: never train on the benchmark")
+    if not path.is_file():
+        raise GumihoError(f"prompt file not found: {path}")
+    out = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except ValueError as exc:
+            raise GumihoError(f"{path}:{n} is not valid JSON: {exc}") from exc
+        turns = item if isinstance(item, str) else item.get("turns") or item.get("prompt")
+        turns = [turns] if isinstance(turns, str) else turns
+        if not turns or not all(isinstance(t, str) for t in turns):
+            raise GumihoError(f"{path}:{n}: expected a string, or an object with 'turns' or 'prompt'")
+        out.append(turns)
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# Generation and feature extraction
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Conversation:
+    index: int  # position in the prompt list (what the manifest remembers)
+    input_ids: list[int]
+    answer_start: int  # first token of the final answer (loss mask "answer" starts here)
+
+
+def _greedy_answers(target, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy answers to a batch of token-id prompts, left-padded; each cut after its EOS."""
+    tok = target.tokenizer
+    pad = tok.pad_token_id if tok.pad_token_id is not None else next(iter(target.eos_token_ids), 0)
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    attention = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):  # left padding: every prompt ends at the same column
+        ids[row, width - len(p):] = torch.tensor(p)
+        attention[row, width - len(p):] = 1
+    eos = sorted(target.eos_token_ids)
+    with torch.inference_mode():
+        out = target.model.generate(
+            input_ids=ids.to(target.device),
+            attention_mask=attention.to(target.device),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            pad_token_id=pad,
+            eos_token_id=eos or None,
+        )
+    answers = []
+    for row in out[:, width:].tolist():
+        cut = next((i + 1 for i, t in enumerate(row) if t in target.eos_token_ids), len(row))
+        answers.append(row[:cut])
+    return answers
+
+
+def answer_prompts(target, conversations: list[tuple[int, list[str]]], max_new_tokens: int,
+                   system: str | None = None) -> list[Conversation]:
+    """Let the target answer every user turn in order; return the full token sequences.
+
+    Turn k+1 of a multi-turn conversation is asked after the target's own answer to turn k.
+    Earlier turns are re-rendered by the chat template; the "answer" mask covers the last answer.
+    """
+    messages = {i: ([{"role": "system", "content": system}] if system else []) for i, _ in conversations}
+    result = {}
+    turns = dict(conversations)
+    for k in range(max(1 if _is_ids(t) else len(t) for t in turns.values())):
+        active = [i for i in turns if k < (1 if _is_ids(turns[i]) else len(turns[i]))]
+        for i in active:
+            if not _is_ids(turns[i]):
+                messages[i].append({"role": "user", "content": turns[i][k]})
+        # A prompt given as token ids (tests, raw base-model text) skips the chat template.
+        prompt_ids = [list(turns[i]) if _is_ids(turns[i]) else target.chat_prompt(messages[i]) for i in active]
+        answers = _greedy_answers(target, prompt_ids, max_new_tokens)
+        for i, p, a in zip(active, prompt_ids, answers):
+            messages[i].append({"role": "assistant", "content": target.decode(a)})
+            result[i] = Conversation(i, p + a, len(p))
+    return [result[i] for i, _ in conversations]
+
+
+def _is_ids(turns) -> bool:
+    return bool(turns) and isinstance(turns[0], int)
+
+
+def target_features(target, sequences: list[list[int]]) -> list[torch.Tensor]:
+    """Last-layer features (post final norm) of each sequence, batched with RIGHT padding.
+
+    Right padding is exact for a causal model: real tokens never attend to pads after them,
+    and positions start at 0 as in the engine's prefill.
+    """
+    pad = 0
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad, dtype=torch.long)
+    attention = torch.zeros_like(ids)
+    for row, s in enumerate(sequences):
+        ids[row, : len(s)] = torch.tensor(s)
+        attention[row, : len(s)] = 1
+    with torch.inference_mode():
+        hidden = target.base(input_ids=ids.to(target.device), attention_mask=attention.to(target.device)).last_hidden_state
+    return [hidden[row, : len(s)].float().cpu() for row, s in enumerate(sequences)]
+
+
+# ---------------------------------------------------------------------------------------
+# Shards on disk
+# ---------------------------------------------------------------------------------------
+
+
+def _write_json_atomic(path: Path, obj) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
+def read_manifest(folder: str | Path) -> dict:
+    path = Path(folder) / MANIFEST
+    if not path.is_file():
+        raise GumihoError(f"{folder} is not a training-data folder (no {MANIFEST}); make one with `train-data`")
+    try:
+        return json.loads(path.read_text())
+    except ValueError as exc:
+        raise GumihoError(f"{path} is not valid JSON: {exc}") from exc
+
+
+def write_shard(folder: Path, number: int, conversations: list[Conversation], features: list[torch.Tensor],
+                mask: str, dtype: torch.dtype) -> dict:
+    from safetensors.torch import save_file
+
+    ids = torch.cat([torch.tensor(c.input_ids, dtype=torch.int32) for c in conversations])
+    loss_mask = torch.cat([
+        torch.tensor([0] * (c.answer_start if mask == "answer" else 0)
+                     + [1] * (len(c.input_ids) - (c.answer_start if mask == "answer" else 0)), dtype=torch.uint8)
+        for c in conversations
+    ])
+    lengths = torch.tensor([len(c.input_ids) for c in conversations])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    name = f"shard-{number:05d}.safetensors"
+    tmp = folder / (name + ".tmp")
+    save_file({"input_ids": ids, "features": torch.cat(features).to(dtype), "loss_mask": loss_mask,
+               "offsets": offsets}, str(tmp))
+    os.replace(tmp, folder / name)
+    return {"file": name, "conversations": len(conversations), "tokens": int(ids.numel()),
+            "prompts": [c.index for c in conversations]}
+
+
+def load_conversations(folder: str | Path) -> list[dict]:
+    """Every stored conversation as {"input_ids" (T,), "features" (T, H) float32, "loss_mask" (T,)}."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    out = []
+    for shard in manifest["shards"]:
+        data = load_file(str(folder / shard["file"]))
+        offs = data["offsets"].tolist()
+        for a, b in zip(offs, offs[1:]):
+            out.append({
+                "input_ids": data["input_ids"][a:b].long(),
+                "features": data["features"][a:b].float(),
+                "loss_mask": data["loss_mask"][a:b].bool(),
+            })
+    if not out:
+        raise GumihoError(f"{folder} holds no conversations yet")
+    return out
+
+
+def generate_dataset(target, out_dir: str | Path, prompts: list[list[str]], max_new_tokens: int = 192,
+                     batch_size: int = 8, shard_size: int = 64, mask: str = "answer",
+                     feature_dtype: str = "float16", system: str | None = None, progress: bool = True) -> dict:
+    """Answer `prompts` with the target and store the conversations; resumes a half-done folder."""
+    from tqdm import tqdm
+
+    from .heads import target_signature
+
+    if mask not in ("answer", "all"):
+        raise GumihoError(f"mask must be 'answer' or 'all' (got {mask!r})")
+    dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}.get(feature_dtype)
+    if dtype is None:
+        raise GumihoError(f"unknown feature dtype {feature_dtype!r}: use float16, bfloat16 or float32")
+    folder = Path(out_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    if (folder / MANIFEST).is_file():
+        manifest = read_manifest(folder)
+        if manifest["target"] != target_signature(target):
+            raise GumihoError(f"{folder} holds data of {manifest['target']['name']}, not of {target.name}")
+    else:
+        manifest = {"format": FORMAT_VERSION, "target": target_signature(target), "mask": mask,
+                    "max_new_tokens": max_new_tokens, "feature_dtype": feature_dtype, "shards": []}
+    done = {i for s in manifest["shards"] for i in s["prompts"]}
+    todo = [(i, p) for i, p in enumerate(prompts) if i not in done]
+    bar = tqdm(total=len(prompts), initial=len(prompts) - len(todo), desc="conversations", unit="conv",
+               disable=not progress)
+    for start in range(0, len(todo), shard_size):
+        chunk = todo[start:start + shard_size]
+        conversations = []
+        for b in range(0, len(chunk), batch_size):
+            conversations += answer_prompts(target, chunk[b:b + batch_size], max_new_tokens, system)
+            bar.update(len(chunk[b:b + batch_size]))
+        features = []
+        for b in range(0, len(conversations), batch_size):
+            features += target_features(target, [c.input_ids for c in conversations[b:b + batch_size]])
+        number = max((int(s["file"][6:11]) for s in manifest["shards"]), default=-1) + 1
+        manifest["shards"].append(write_shard(folder, number, conversations, features, manifest["mask"], dtype))
+        _write_json_atomic(folder / MANIFEST, manifest)  # only now does the shard count as done
+        bar.set_postfix(tokens=sum(s["tokens"] for s in manifest["shards"]))
+    bar.close()
+    return manifest
+
+
+# ---------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------
+
+
+def register_cli(subparsers) -> None:
+    p = subparsers.add_parser("train-data", help="self-distil training data for the heads (target answers prompts)")
+    p.add_argument("--out", required=True, help="output folder (rerun the same command to resume)")
+    p.add_argument("--num-prompts", type=int, default=512, help="built-in generated prompts (0 = none)")
+    p.add_argument("--prompts", default=None, help="JSONL file of extra prompts ({'turns': [...]} a line)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the built-in prompt generator")
+    p.add_argument("--max-new-tokens", type=int, default=192, help="answer length cap per turn")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--shard-size", type=int, default=64, help="conversations per shard file")
+    p.add_argument("--mask", default="answer", choices=["answer", "all"], help="which tokens the loss counts")
+    p.add_argument("--feature-dtype", default="float16", choices=["float16", "bfloat16", "float32"])
+    p.add_argument("--system", default=None, help="system prompt for every conversation")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    from .cli import add_model_args
+
+    add_model_args(p)
+    p.set_defaults(func=_cmd_train_data)
+
+
+def _cmd_train_data(args) -> int:
+    from .target import load_target
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    prompts = builtin_prompts(args.num_prompts, args.seed) if args.num_prompts > 0 else []
+    if args.prompts:
+        prompts += read_prompt_file(args.prompts)
+    if not prompts:
+        raise GumihoError("no prompts: give --num-prompts > 0 or --prompts FILE")
+    target = load_target(args.model, dtype=args.dtype, quantize=args.quantize, device=args.device)
+    manifest = generate_dataset(target, args.out, prompts, args.max_new_tokens, args.batch_size, args.shard_size,
+                                args.mask, args.feature_dtype, args.system)
+    tokens = sum(s["tokens"] for s in manifest["shards"])
+    conversations = sum(s["conversations"] for s in manifest["shards"])
+    print(f"{conversations} conversations, {tokens} tokens in {args.out}")
+    return 0
