@@ -218,3 +218,16 @@ def test_reduced_draft_vocabulary_stays_lossless(target, tmp_path):
     finally:
         generate_module.build_draft_tree = original
     assert drafted and drafted <= set(range(3, 40))
+
+
+def test_context_limit_error_or_truncation():
+    from gumiho_core import ContextTooLong
+
+    target = tiny_target(seed=0, eos=False, max_positions=40)
+    engine = Engine(target, new_heads(target))
+    prompt = random_prompts(1, seed=4, lo=30, hi=31)[0]  # 31 tokens
+    with pytest.raises(ContextTooLong, match="exceeds the model's context of 40 tokens"):
+        run_to_end(engine, prompt, GenerationSettings(max_new_tokens=20))
+    done = run_to_end(engine, prompt, GenerationSettings(max_new_tokens=20, on_overflow="truncate"))
+    assert engine.last_run.stats.prompt_tokens == 20 and len(done.token_ids) == 20
+    assert done.token_ids == hf_greedy(target, prompt[-20:], 20)

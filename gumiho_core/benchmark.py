@@ -1,0 +1,256 @@
+"""Speed, measured the paper's way: methods side by side in one process, interleaved.
+
+`python launch.py bench --prompts FILE [--prompts FILE2 ...] [--limit N] [--max-new-tokens N]
+[--temperature T] [--json OUT]` runs, for each prompt (first turn, through the chat
+template), every method in turn after a warm-up:
+- plain:   our engine, speculative decoding off (the baseline);
+- gumiho:  our engine with the heads;
+- hf:      transformers `generate`;
+- hf-pld:  transformers assisted generation with prompt lookup (a draft-free peer).
+It reports per method the median tokens/s, speedup vs plain (ratio of medians), tau,
+acceptance per depth and peak memory, prints a paper-style table (speedup / tau per
+prompt file), and under greedy decoding checks that every method produced the same tokens.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .errors import GumihoError
+from .generate import Engine, run_to_end
+from .settings import GenerationSettings, SamplingSettings, TreeSettings
+
+METHODS = ("plain", "gumiho", "hf", "hf-pld")
+
+
+def read_prompts(path: str | Path, limit: int | None = None) -> list[str]:
+    path = Path(path)
+    if not path.is_file():
+        raise GumihoError(f"prompt file not found: {path}")
+    prompts = []
+    for n, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            prompts.append(record["turns"][0] if "turns" in record else record["prompt"])
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            raise GumihoError(f"{path}:{n}: expected a JSON object with 'turns' or 'prompt' ({exc})") from exc
+    return prompts[:limit] if limit else prompts
+
+
+class PeakRSS:
+    """Highest resident memory of this process while the block runs (sampled every 5 ms)."""
+
+    def __enter__(self):
+        import psutil
+
+        self.process = psutil.Process()
+        self.peak = self.process.memory_info().rss
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        return self
+
+    def _watch(self):
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, self.process.memory_info().rss)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.gpu_peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+        return False
+
+
+@dataclass
+class Run:
+    tokens: list[int]
+    seconds: float
+    forward_passes: int | None = None
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.tokens) / self.seconds if self.seconds > 0 else 0.0
+
+
+def run_method(method: str, engine: Engine, prompt_ids: list[int], settings: GenerationSettings) -> Run:
+    if method in ("plain", "gumiho"):
+        done = run_to_end(engine, prompt_ids, settings.with_(speculative=method == "gumiho"))
+        s = done.stats
+        return Run(done.token_ids, s.total_s, s.forward_passes, s.to_dict())
+    return _run_hf(engine.target, prompt_ids, settings, prompt_lookup=method == "hf-pld")
+
+
+@torch.inference_mode()
+def _run_hf(target, prompt_ids, settings: GenerationSettings, prompt_lookup: bool) -> Run:
+    ids = torch.tensor([prompt_ids], device=target.device)
+    s = settings.sampling
+    kwargs = dict(
+        max_new_tokens=settings.max_new_tokens,
+        attention_mask=torch.ones_like(ids),
+        pad_token_id=target.tokenizer.pad_token_id or next(iter(target.eos_token_ids), 0),
+        do_sample=not s.greedy,
+    )
+    if not s.greedy:
+        kwargs.update(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k or None)
+    if s.repetition_penalty != 1.0:
+        kwargs["repetition_penalty"] = s.repetition_penalty
+    if prompt_lookup:
+        kwargs["prompt_lookup_num_tokens"] = 10
+    start = time.perf_counter()
+    out = target.model.generate(ids, **kwargs)
+    seconds = time.perf_counter() - start
+    return Run(out[0, len(prompt_ids) :].tolist(), seconds)
+
+
+def benchmark(
+    engine: Engine,
+    prompt_sets: dict[str, list[str]],
+    settings: GenerationSettings,
+    methods=METHODS,
+    log=print,
+) -> dict:
+    """Run every method on every prompt, interleaved. Returns the JSON-able report."""
+    target = engine.target
+    encoded = {
+        name: [target.chat_prompt([{"role": "user", "content": p}]) for p in prompts]
+        for name, prompts in prompt_sets.items()
+    }
+    # Warm-up: first calls pay for lazy initialisation and allocator growth.
+    warm = next(iter(encoded.values()))[0]
+    for method in methods:
+        run_method(method, engine, warm, settings.with_(max_new_tokens=8))
+
+    report = {"settings": settings.to_dict(), "benchmarks": {}}
+    for name, prompts in encoded.items():
+        runs = {m: [] for m in methods}
+        peaks = {m: 0 for m in methods}
+        mismatches = []
+        for i, ids in enumerate(prompts):
+            for method in methods:
+                with PeakRSS() as mem:
+                    runs[method].append(run_method(method, engine, ids, settings))
+                peaks[method] = max(peaks[method], mem.peak, mem.gpu_peak)
+            if settings.sampling.greedy:
+                reference = runs[methods[0]][-1].tokens
+                for method in methods[1:]:
+                    if runs[method][-1].tokens != reference:
+                        mismatches.append({"prompt": i, "method": method})
+                        log(f"!!! MISMATCH on {name} prompt {i}: {method} differs from {methods[0]}")
+            line = "  ".join(f"{m} {runs[m][-1].tokens_per_s:6.1f}" for m in methods)
+            log(f"[{name} {i + 1}/{len(prompts)}] tok/s  {line}")
+        report["benchmarks"][name] = summarise(runs, peaks, mismatches)
+    return report
+
+
+def summarise(runs: dict[str, list[Run]], peaks: dict, mismatches: list) -> dict:
+    out = {"methods": {}, "mismatches": mismatches, "prompts": len(next(iter(runs.values())))}
+    plain_tps = statistics.median(r.tokens_per_s for r in runs["plain"]) if "plain" in runs else None
+    for method, rs in runs.items():
+        tps = statistics.median(r.tokens_per_s for r in rs)
+        entry = {
+            "tokens_per_s_median": tps,
+            "speedup_vs_plain": tps / plain_tps if plain_tps else None,
+            "new_tokens": sum(len(r.tokens) for r in rs),
+            "peak_memory_mb": peaks[method] / 2**20,
+        }
+        if rs[0].forward_passes is not None:
+            tokens = sum(len(r.tokens) for r in rs)
+            passes = sum(r.forward_passes for r in rs)
+            entry["tau"] = tokens / passes
+            accepted = _sum_lists([r.stats["accepted_at_depth"] for r in rs])
+            offered = _sum_lists([r.stats["offered_at_depth"] for r in rs])
+            entry["acceptance_per_depth"] = [a / o if o else 0.0 for a, o in zip(accepted, offered)]
+        out["methods"][method] = entry
+    return out
+
+
+def _sum_lists(lists: list[list[int]]) -> list[int]:
+    n = max((len(l) for l in lists), default=0)
+    return [sum(l[i] for l in lists if i < len(l)) for i in range(n)]
+
+
+def format_table(report: dict) -> str:
+    """Paper style: one row per method, `speedup / tau` per benchmark, and the mean."""
+    names = list(report["benchmarks"])
+    methods = list(next(iter(report["benchmarks"].values()))["methods"])
+    header = f"| method | {' | '.join(names)} | mean |"
+    lines = [header, "|" + "---|" * (len(names) + 2)]
+    for m in methods:
+        cells, speedups = [], []
+        for n in names:
+            e = report["benchmarks"][n]["methods"][m]
+            speedups.append(e["speedup_vs_plain"])
+            tau = f" / {e['tau']:.2f}" if "tau" in e else ""
+            cells.append(f"{e['speedup_vs_plain']:.2f}x{tau} ({e['tokens_per_s_median']:.1f} tok/s)")
+        lines.append(f"| {m} | {' | '.join(cells)} | {statistics.mean(speedups):.2f}x |")
+    acc = []
+    for n in names:
+        g = report["benchmarks"][n]["methods"].get("gumiho")
+        if g:
+            acc.append(f"{n}: " + " ".join(f"d{i + 1} {a:.2f}" for i, a in enumerate(g["acceptance_per_depth"])))
+    if acc:
+        lines.append("")
+        lines.append("gumiho acceptance per depth (P(accept depth d | reached d-1)):")
+        lines.extend("  " + a for a in acc)
+    mism = sum(len(b["mismatches"]) for b in report["benchmarks"].values())
+    lines.append("")
+    lines.append("outputs identical across methods" if mism == 0 else f"!!! {mism} OUTPUT MISMATCHES !!!")
+    return "\n".join(lines)
+
+
+# -- CLI ------------------------------------------------------------------------------------
+
+
+def cmd_bench(args) -> int:
+    from .cli import load_engine, tree_from_args
+
+    prompt_sets = {Path(p).stem: read_prompts(p, args.limit) for p in args.prompts}
+    settings = GenerationSettings(
+        max_new_tokens=args.max_new_tokens,
+        sampling=SamplingSettings(temperature=args.temperature, seed=args.seed),
+        tree=tree_from_args(args),
+    )
+    settings.validate()
+    methods = tuple(args.methods.split(","))
+    unknown = set(methods) - set(METHODS)
+    if unknown or "plain" not in methods:
+        raise GumihoError(f"--methods must include plain and be among {', '.join(METHODS)}")
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    engine, heads_note = load_engine(args)
+    print(f"target {engine.target.name}, heads {heads_note}, threads {torch.get_num_threads()}", file=sys.stderr)
+    report = benchmark(engine, prompt_sets, settings, methods, log=lambda s: print(s, file=sys.stderr))
+    report["heads"] = heads_note
+    report["target"] = engine.target.name
+    print(format_table(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+def register_cli(sub) -> None:
+    from .cli import add_model_args, add_tree_args
+
+    b = sub.add_parser("bench", help="speed: plain vs Gumiho vs transformers, side by side")
+    b.add_argument("--prompts", action="append", required=True, help="JSONL with 'turns' (repeatable)")
+    b.add_argument("--limit", type=int, default=None, help="first N prompts of each file")
+    b.add_argument("--max-new-tokens", type=int, default=256)
+    b.add_argument("--temperature", type=float, default=0.0)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--methods", default=",".join(METHODS))
+    b.add_argument("--threads", type=int, default=None)
+    b.add_argument("--json", default=None, help="write the full report here")
+    add_model_args(b)
+    add_tree_args(b)
+    b.set_defaults(func=cmd_bench)

@@ -1,0 +1,58 @@
+"""The benchmark runs every method side by side and checks their outputs agree."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gumiho_core import Engine, GenerationSettings, new_heads
+from gumiho_core.benchmark import benchmark, format_table, read_prompts
+from gumiho_core.errors import GumihoError
+from tiny import tiny_target
+
+
+def test_benchmark_report_on_a_tiny_target():
+    target = tiny_target(seed=0, eos=False)
+    engine = Engine(target, new_heads(target))
+    prompts = {"tiny": ["w5 w6 w7", "w9 w10 w11 w12", "w40 w3"]}
+    report = benchmark(engine, prompts, GenerationSettings(max_new_tokens=12), log=lambda s: None)
+    bench = report["benchmarks"]["tiny"]
+    assert bench["mismatches"] == [] and bench["prompts"] == 3
+    for method in ("plain", "gumiho", "hf", "hf-pld"):
+        entry = bench["methods"][method]
+        assert entry["tokens_per_s_median"] > 0 and entry["new_tokens"] == 36
+        assert entry["peak_memory_mb"] > 0
+    assert bench["methods"]["plain"]["speedup_vs_plain"] == 1.0
+    assert bench["methods"]["plain"]["tau"] == 1.0
+    table = format_table(report)
+    assert "| gumiho |" in table and "outputs identical" in table
+    json.dumps(report)
+
+
+def test_mismatch_is_reported_loudly(monkeypatch):
+    from gumiho_core import benchmark as bm
+
+    target = tiny_target(seed=0, eos=False)
+    engine = Engine(target, new_heads(target))
+    real = bm._run_hf
+
+    def wrong(*a, **k):
+        run = real(*a, **k)
+        run.tokens[-1] = (run.tokens[-1] + 1) % 90
+        return run
+
+    monkeypatch.setattr(bm, "_run_hf", wrong)
+    logs = []
+    report = benchmark(engine, {"t": ["w5 w6"]}, GenerationSettings(max_new_tokens=6), log=logs.append)
+    assert report["benchmarks"]["t"]["mismatches"]
+    assert any("MISMATCH" in line for line in logs)
+    assert "OUTPUT MISMATCHES" in format_table(report)
+
+
+def test_prompt_files(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"turns": ["a", "b"]}\n{"turns": ["c"]}\n')
+    assert read_prompts(f) == ["a", "c"] and read_prompts(f, 1) == ["a"]
+    f.write_text("not json\n")
+    with pytest.raises(GumihoError, match="p.jsonl:1"):
+        read_prompts(f)
