@@ -214,7 +214,8 @@ def format_table(report: dict) -> str:
 
 
 def cmd_bench(args) -> int:
-    from .cli import load_engine, tree_from_args
+    from .cli import chosen_tree, load_engine, tree_from_args
+    from .tree_budget import choose_tree, format_budget
 
     prompt_sets = {Path(p).stem: read_prompts(p, args.limit) for p in args.prompts}
     settings = GenerationSettings(
@@ -230,8 +231,15 @@ def cmd_bench(args) -> int:
     torch.set_num_threads(args.threads or torch.get_num_threads())
     engine, heads_note = load_engine(args)
     print(f"target {engine.target.name}, heads {heads_note}, threads {torch.get_num_threads()}", file=sys.stderr)
+    # The measured cost curve and the budget it implies are always printed; they are used
+    # with --auto-tree (explicit tree flags still win).
+    _, budget = choose_tree(engine)
+    print(format_budget(budget))
+    settings = settings.with_(tree=chosen_tree(engine, args))
+    print(f"tree used: {settings.tree}")
     report = benchmark(engine, prompt_sets, settings, methods, log=lambda s: print(s, file=sys.stderr))
     report["heads"] = heads_note
+    report["tree_budget"] = budget
     report["target"] = engine.target.name
     print(format_table(report))
     if args.json:

@@ -28,26 +28,45 @@ def add_tree_args(p: argparse.ArgumentParser) -> None:
     from .settings import TreeSettings
 
     d = TreeSettings()
-    p.add_argument("--top-k", type=int, default=d.top_k, help="draft beams per serial depth")
-    p.add_argument("--total-tokens", type=int, default=d.total_tokens, help="tree nodes verified per step")
-    p.add_argument("--depth", type=int, default=d.depth, help="deepest draft token")
-    p.add_argument("--mlp-topk", type=int, default=d.mlp_topk)
-    p.add_argument("--pruning", type=int, default=d.pruning)
+    # Defaults are None so we can tell "not given" from "given": the measured budget
+    # (--auto-tree) applies only where the user did not choose.
+    p.add_argument("--top-k", type=int, default=None, help=f"draft beams per serial depth ({d.top_k})")
+    p.add_argument("--total-tokens", type=int, default=None, help=f"tree nodes verified per step ({d.total_tokens})")
+    p.add_argument("--depth", type=int, default=None, help=f"deepest draft token ({d.depth})")
+    p.add_argument("--mlp-topk", type=int, default=None, help=f"candidates per node at MLP depths ({d.mlp_topk})")
+    p.add_argument("--pruning", type=int, default=None, help=f"nodes kept per MLP depth ({d.pruning})")
     p.add_argument("--no-fta", action="store_true", help="disable Full Tree Attention supplements")
+    p.add_argument("--auto-tree", action="store_true",
+                   help="measure this machine's cost curve and the heads' acceptance, use the best tree")
 
 
-def tree_from_args(args):
+TREE_FLAGS = ("top_k", "total_tokens", "depth", "mlp_topk", "pruning")
+
+
+def tree_from_args(args, base=None):
+    """Tree settings: explicit flags over `base` (the measured choice, or the defaults)."""
+    from dataclasses import replace
+
     from .settings import TreeSettings
 
-    return TreeSettings(
-        top_k=args.top_k,
-        total_tokens=args.total_tokens,
-        depth=args.depth,
-        mlp_topk=args.mlp_topk,
-        pruning=args.pruning,
-        fta=not args.no_fta,
-        fta_tokens=min(TreeSettings().fta_tokens, max(0, args.total_tokens - 2)),
-    )
+    tree = base or TreeSettings()
+    given = {f: getattr(args, f) for f in TREE_FLAGS if getattr(args, f, None) is not None}
+    tree = replace(tree, **given)
+    if args.no_fta:
+        tree = replace(tree, fta=False, fta_tokens=0)
+    return replace(tree, fta_tokens=min(tree.fta_tokens, max(0, tree.total_tokens - 2)))
+
+
+def chosen_tree(engine, args, log=None):
+    """--auto-tree: the measured best tree (cached), with explicit flags on top."""
+    if not getattr(args, "auto_tree", False) or engine.heads is None:
+        return tree_from_args(args)
+    from .tree_budget import choose_tree, format_budget
+
+    tree, report = choose_tree(engine)
+    if log:
+        log(format_budget(report))
+    return tree_from_args(args, base=tree)
 
 
 def load_engine(args, need_heads: bool = True):
@@ -91,6 +110,8 @@ def cmd_generate(args) -> int:
     )
     settings.validate()  # before the model loads: a typo should not cost a load
     engine, heads_note = load_engine(args, need_heads=not args.no_speculative)
+    if args.auto_tree:
+        settings = settings.with_(tree=chosen_tree(engine, args, log=lambda s: print(s, file=sys.stderr)))
     messages = []
     if args.system:
         messages.append({"role": "system", "content": args.system})

@@ -33,6 +33,7 @@ class DraftTree:
     parents: list[int]  # parents[0] == -1
     depths: list[int]  # depths[0] == 0
     sources: list[str]  # "root", "serial", "mlp" or "fta"
+    scores: list[float] | None = None  # cumulative draft log-probability per node
     children: list[list[int]] = field(default_factory=list)  # best first
 
     def __post_init__(self):
@@ -202,7 +203,9 @@ def _select(tokens, parents, depths, sources, scores, settings: TreeSettings, de
         for key, value in zip(out, (tokens[i], remap[parents[i]], depths[i], sources[i], scores[i])):
             out[key].append(value)
 
-    tree = DraftTree(torch.tensor(out["tokens"], device=device), out["parents"], out["depths"], out["sources"])
+    tree = DraftTree(
+        torch.tensor(out["tokens"], device=device), out["parents"], out["depths"], out["sources"], out["scores"]
+    )
     # Children best-first, so verification tries the likeliest candidate first.
     for kids in tree.children:
         kids.sort(key=lambda c: -out["scores"][c])

@@ -58,6 +58,7 @@ class Engine:
         self.heads = heads
         self.lock = threading.Lock()  # one generation at a time: caches are per call, compute is not
         self.last_run: _Run | None = None
+        self.trace_trees = False  # keep every (tree, accepted path): the tree-budget calibration reads them
         self.draft_head = None if heads is None else DraftHead(target.lm_head, heads.draft_vocab)
 
     def generate(
@@ -99,6 +100,7 @@ class _Run:
 
         self.target, self.heads, self.settings, self.cancel = engine.target, engine.heads, settings, cancel
         self.draft_head = engine.draft_head
+        self.trace: list[tuple[DraftTree, list[int]]] | None = [] if engine.trace_trees else None
         self.device = self.target.device
         self.cache = DynamicCache(config=self.target.config)
         self.chooser = TokenChooser(settings.sampling, device=self.device)
@@ -144,6 +146,8 @@ class _Run:
             self.stats.draft_s += t1 - t0
             self.stats.verify_s += t2 - t1
             self._count_acceptance(tree, result.path)
+            if self.trace is not None:
+                self.trace.append((tree, result.path))
             pending = features[result.path]
             drafted = result.path[1:]
             root = result.bonus

@@ -1,0 +1,158 @@
+"""Choosing the draft tree for the machine at hand, from measurements rather than GPU lore.
+
+Two measurements, both cached under the user cache folder:
+1. the cost curve: milliseconds of one target pass as a function of the number of tree
+   tokens verified, at a typical context length, on this device;
+2. the heads' acceptance: a short calibration generation with a large tree records, per
+   step, every node's score and the path the target accepted.
+Because the tree of budget n is the n best-scored nodes of the same candidate pool (and
+the target's choices along the path do not depend on which other nodes are in the tree),
+one large-tree run tells what any smaller tree or shallower depth would have accepted.
+Expected speed for (top_k, total_tokens, depth) = expected tau / (verify cost + draft cost),
+and the best one is chosen. Explicit tree settings always override it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+import time
+from dataclasses import asdict
+
+import torch
+
+from .draft_tree import DraftTree
+from .generate import Engine, run_to_end
+from .settings import GenerationSettings, TreeSettings
+from .target import cache_dir
+from .verify import run_target, tree_attention_mask
+
+COST_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48)
+CALIBRATION_PROMPTS = [
+    "Explain how a bicycle works, step by step.",
+    "Write a short email inviting a colleague to lunch on Friday.",
+    "def fibonacci(n):\n    # return the n-th Fibonacci number\n",
+    "A shop sells pens at 3 dollars each. How much do 7 pens cost? Explain.",
+]
+
+
+def _cache_file(kind: str, key: dict):
+    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_dir() / "tree_budget" / f"{kind}-{digest}.json"
+
+
+@torch.inference_mode()
+def measure_cost_curve(target, sizes=COST_SIZES, context: int = 256, reps: int = 5, use_cache=True) -> dict:
+    """{tree tokens: median ms of one verification pass} at `context` cached tokens."""
+    from transformers import DynamicCache
+
+    key = {"target": target.name, "device": str(target.device), "dtype": str(target.base.dtype),
+           "threads": torch.get_num_threads(), "sizes": list(sizes), "context": context}
+    path = _cache_file("cost", key)
+    if use_cache and path.is_file():
+        return {int(k): v for k, v in json.loads(path.read_text()).items()}
+    g = torch.Generator().manual_seed(0)
+    prefix = torch.randint(0, target.vocab_size, (context,), generator=g).to(target.device)
+    cache = DynamicCache(config=target.config)
+    run_target(target, cache, prefix, torch.arange(context, device=target.device), logits_for=[-1])
+    curve = {}
+    for n in sizes:
+        # A chain is as costly as any tree of n nodes: the cost depends on n, not the shape.
+        tree = DraftTree(torch.randint(0, target.vocab_size, (n,), generator=g), [-1, *range(n - 1)],
+                         list(range(n)), ["root"] + ["serial"] * (n - 1))
+        mask = tree_attention_mask(tree, context, target.base.dtype, target.device) if n > 1 else None
+        times = []
+        for _ in range(reps + 1):
+            _sync(target)
+            start = time.perf_counter()
+            run_target(target, cache, tree.tokens.to(target.device),
+                       context + torch.tensor(tree.depths, device=target.device), mask)
+            _sync(target)
+            times.append((time.perf_counter() - start) * 1e3)
+            for layer in cache.layers:  # back to the prefix for the next repeat
+                layer.keys, layer.values = layer.keys[:, :, :context], layer.values[:, :, :context]
+        curve[n] = statistics.median(times[1:])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(curve))
+    return curve
+
+
+def _sync(target):
+    if target.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def accepted_length(tree: DraftTree, path: list[int], budget: int, depth: int) -> int:
+    """Drafts the sub-tree of the `budget - 1` best nodes within `depth` would have accepted."""
+    eligible = [i for i in range(1, len(tree)) if tree.depths[i] <= depth and tree.sources[i] != "fta"]
+    kept = set(sorted(eligible, key=lambda i: (-tree.scores[i], i))[: budget - 1])
+    n = 0
+    for node in path[1:]:
+        if node not in kept:
+            break
+        n += 1
+    return n
+
+
+def calibrate(engine: Engine, top_ks=(2, 4, 6), big: int = 48, max_new_tokens: int = 48) -> dict:
+    """Per top_k: the traced (tree, path) steps of a large-tree run over the built-in prompts."""
+    ids = [engine.target.chat_prompt([{"role": "user", "content": p}]) for p in CALIBRATION_PROMPTS]
+    traces, draft_ms = {}, {}
+    engine.trace_trees = True
+    try:
+        for k in top_ks:
+            tree = TreeSettings(top_k=k, total_tokens=big, depth=7, mlp_topk=k, pruning=2 * k, fta=False, fta_tokens=0)
+            steps, spent, count = [], 0.0, 0
+            for prompt in ids:
+                run_to_end(engine, prompt, GenerationSettings(max_new_tokens=max_new_tokens, tree=tree))
+                steps.extend(engine.last_run.trace)
+                spent += engine.last_run.stats.draft_s
+                count += len(engine.last_run.trace)
+            traces[k] = steps
+            draft_ms[k] = spent / max(count, 1) * 1e3
+    finally:
+        engine.trace_trees = False
+    return {"traces": traces, "draft_ms": draft_ms}
+
+
+def choose_tree(engine: Engine, use_cache: bool = True, log=None) -> tuple[TreeSettings, dict]:
+    """The tree that maximises expected tokens/s here. Returns (settings, report)."""
+    heads = engine.heads
+    fingerprint = float(sum(p.double().sum() for p in heads.parameters())) if heads is not None else 0.0
+    key = {"target": engine.target.name, "device": str(engine.target.device), "heads": fingerprint,
+           "threads": torch.get_num_threads()}
+    path = _cache_file("choice", key)
+    if use_cache and path.is_file():
+        report = json.loads(path.read_text())
+        return TreeSettings(**report["chosen"]), report
+    curve = measure_cost_curve(engine.target)
+    cal = calibrate(engine)
+    candidates = []
+    for k, steps in cal["traces"].items():
+        for n in [s for s in curve if s > 1]:
+            for depth in (2, 3, 4, 5, 7):
+                tau = 1 + statistics.mean(accepted_length(t, p, n, depth) for t, p in steps) if steps else 1.0
+                ms = curve[n] + cal["draft_ms"][k]
+                candidates.append({"top_k": k, "total_tokens": n, "depth": depth, "tau": tau,
+                                   "step_ms": ms, "tokens_per_s": tau / ms * 1e3})
+    plain_tps = 1e3 / curve[1]
+    best = max(candidates, key=lambda c: c["tokens_per_s"])
+    chosen = TreeSettings(top_k=best["top_k"], total_tokens=best["total_tokens"], depth=best["depth"],
+                          mlp_topk=best["top_k"], pruning=2 * best["top_k"], fta=False, fta_tokens=0)
+    report = {"cost_curve_ms": curve, "draft_ms": cal["draft_ms"], "plain_tokens_per_s": plain_tps,
+              "best": best, "chosen": asdict(chosen),
+              "top": sorted(candidates, key=lambda c: -c["tokens_per_s"])[:8]}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2))
+    return chosen, report
+
+
+def format_budget(report: dict) -> str:
+    curve = report["cost_curve_ms"]
+    lines = ["target pass cost (ms) by tree tokens: " + ", ".join(f"{n}: {ms:.0f}" for n, ms in curve.items()),
+             "draft cost (ms/step) by top_k: " + ", ".join(f"{k}: {ms:.0f}" for k, ms in report["draft_ms"].items()),
+             "best expected: " + ", ".join(f"{c['top_k']}/{c['total_tokens']}/{c['depth']} tau {c['tau']:.2f} "
+                                         f"{c['tokens_per_s']:.1f} tok/s" for c in report["top"][:4]),
+             f"chosen tree: top_k {report['chosen']['top_k']}, total_tokens {report['chosen']['total_tokens']}, "
+             f"depth {report['chosen']['depth']} (plain would be {report['plain_tokens_per_s']:.1f} tok/s)"]
+    return "\n".join(lines)
