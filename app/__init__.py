@@ -1,0 +1,1 @@
+"""gumiho-chat's application: the Gradio chat, its SQLite sessions and the OpenAI route."""

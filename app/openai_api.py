@@ -1,0 +1,115 @@
+"""An OpenAI-compatible `POST /v1/chat/completions` beside the Gradio app.
+
+Extensions to the OpenAI shape: a request field `speculative` (default true), and in the
+response `usage` also carries `tau`, `forward_passes`, `tokens_per_s` and `ttft_s`.
+Streaming follows OpenAI's server-sent events: `data: {chunk}` lines, then `data: [DONE]`.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+
+from fastapi import APIRouter, HTTPException
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
+
+from .chat import ChatService, Options
+
+# The engine's reasons mapped to OpenAI's vocabulary.
+FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length", "cancelled": "stop"}
+
+
+class ChatMessage(BaseModel):
+    role: str
+    content: str
+
+
+class ChatRequest(BaseModel):
+    model: str | None = None
+    messages: list[ChatMessage]
+    temperature: float = 0.0  # greedy by default: that is when speculation is provably lossless
+    top_p: float = 1.0
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    stream: bool = False
+    speculative: bool = True
+
+
+def _usage(stats: dict | None, prompt_tokens: int) -> dict:
+    stats = stats or {}
+    new = stats.get("new_tokens", 0)
+    return {
+        "prompt_tokens": prompt_tokens, "completion_tokens": new, "total_tokens": prompt_tokens + new,
+        "tau": stats.get("tau", 0.0), "forward_passes": stats.get("forward_passes", 0),
+        "tokens_per_s": stats.get("tokens_per_s", 0.0), "ttft_s": stats.get("ttft_s", 0.0),
+        "speculative": stats.get("speculative"),
+    }
+
+
+def make_router(service: ChatService) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/v1/models")
+    def models() -> dict:
+        return {"object": "list", "data": [{"id": service.model_name, "object": "model", "owned_by": "local"}]}
+
+    @router.post("/v1/chat/completions")
+    def completions(req: ChatRequest):
+        system = "\n".join(m.content for m in req.messages if m.role == "system")
+        history = [{"role": m.role, "text": m.content} for m in req.messages if m.role in ("user", "assistant")]
+        if not history:
+            raise HTTPException(400, "messages must contain at least one user message")
+        opts = Options(system=system, speculative=req.speculative, temperature=req.temperature, top_p=req.top_p,
+                       max_new_tokens=req.max_completion_tokens or req.max_tokens or 256)
+        prompt_tokens = len(service.prompt_ids(system, history))
+        cid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+        base = {"id": cid, "created": created, "model": req.model or service.model_name}
+
+        if not req.stream:
+            answer = None
+            for answer in service.stream(history, opts):
+                pass
+            if answer.error:
+                raise HTTPException(400, answer.error)
+            return {
+                **base, "object": "chat.completion",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": answer.text},
+                             "finish_reason": FINISH.get(answer.finish_reason, "stop")}],
+                "usage": _usage(answer.stats, prompt_tokens),
+            }
+
+        cancel = threading.Event()
+
+        def events():
+            # Starlette closes this generator when the client disconnects; the engine then
+            # stops at its next step and releases its lock.
+            sent = 0
+            chunk = {**base, "object": "chat.completion.chunk"}
+            try:
+                first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                yield f"data: {json.dumps({**chunk, 'choices': [first]})}\n\n"
+                for answer in service.stream(history, opts, cancel=cancel):
+                    if answer.done:
+                        if answer.error:
+                            yield f"data: {json.dumps({'error': {'message': answer.error}})}\n\n"
+                            break
+                        delta = answer.text[sent:]
+                        final = {"index": 0, "delta": {"content": delta} if delta else {},
+                                 "finish_reason": FINISH.get(answer.finish_reason, "stop")}
+                        body = {**chunk, "choices": [final], "usage": _usage(answer.stats, prompt_tokens)}
+                        yield f"data: {json.dumps(body)}\n\n"
+                        break
+                    delta = answer.text[sent:]
+                    sent = len(answer.text)
+                    if delta:
+                        piece = {"index": 0, "delta": {"content": delta}, "finish_reason": None}
+                        yield f"data: {json.dumps({**chunk, 'choices': [piece]})}\n\n"
+                yield "data: [DONE]\n\n"
+            finally:
+                cancel.set()
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return router

@@ -1,0 +1,182 @@
+"""Model text to HTML: escaping, Markdown, and the per-token provenance colours.
+
+Everything the model (or the user) wrote passes through `html.escape` (or markdown-it
+with raw HTML disabled, which escapes it too) before any markup of ours is added, so a
+`<script>` in an answer is shown as text, never run.
+
+Two views of an answer:
+  "colours"  - every token is a <span> coloured by where it came from; fenced code
+               blocks become <pre> blocks so code keeps its layout; whitespace is kept.
+  "markdown" - the answer's text rendered as Markdown (headings, lists, code).
+
+A "step" is what one target forward pass produced (see gumiho_core.events.StepEvent),
+stored as {"tokens": [[text, origin, depth], ...], "rejected": [text, ...]}.
+"""
+from __future__ import annotations
+
+import html
+import re
+
+from markdown_it import MarkdownIt
+
+# commonmark with raw HTML off: `<b>` in model text stays text. Tables are handy in answers.
+_markdown = MarkdownIt("commonmark", {"html": False, "linkify": False}).enable("table")
+
+ORIGIN_LABELS = {
+    "serial": "serial head (accepted)",
+    "mlp": "MLP head (accepted, darker = deeper)",
+    "fta": "Full Tree Attention supplement (accepted)",
+    "target": "target model's own token",
+    "rejected": "rejected draft candidate",
+}
+MAX_SHADE = 7  # MLP depths beyond this share the darkest shade
+
+# A fenced block: ``` or ~~~ at a line start, up to the closing fence or the end of the
+# text (an answer still streaming has no closing fence yet).
+_FENCE = re.compile(r"(?m)^(```|~~~)[^\n]*\n.*?(?:^\1[ \t]*$|\Z)", re.DOTALL)
+
+
+def esc(text: str) -> str:
+    return html.escape(text, quote=True)
+
+
+def step_from_event(event) -> dict:
+    """A StepEvent as the JSON-able dict we store and render."""
+    return {
+        "tokens": [[t.text, t.origin, t.depth] for t in event.tokens],
+        "rejected": [t.text for t in event.rejected],
+    }
+
+
+def markdown_html(text: str) -> str:
+    return _markdown.render(text)
+
+
+def _code_ranges(text: str) -> list[tuple[int, int]]:
+    return [m.span() for m in _FENCE.finditer(text)]
+
+
+def _token_class(origin: str, depth: int) -> str:
+    if origin == "mlp":
+        return f"tok o-mlp d{min(max(depth, 1), MAX_SHADE)}"
+    return f"tok o-{origin if origin in ORIGIN_LABELS else 'target'}"
+
+
+def colour_html(steps: list[dict]) -> str:
+    """The provenance view: one span per token, code fences as <pre>, rejected drafts as <s>.
+
+    Rejected candidates belong just before the target's token of their step (they were the
+    drafts the target refused at that position). They are always in the title (hover) and
+    are drawn struck through when the container has the class `show-rejected`.
+    """
+    pieces: list[tuple[str, str, str]] = []  # (text, css class, title)
+    for step in steps:
+        rejected = [r for r in step.get("rejected", []) if r]
+        for text, origin, depth in step.get("tokens", []):
+            title = f"{origin}" + (f" depth {depth}" if depth else "")
+            if origin == "target" and rejected:
+                title += " · rejected: " + " | ".join(repr(r) for r in rejected)
+                for r in rejected:
+                    pieces.append((r, "rej", "rejected draft"))
+            pieces.append((text, _token_class(origin, depth), title))
+
+    # Where fenced code lies in the accepted text (rejected pieces are not part of it).
+    accepted = "".join(t for t, cls, _ in pieces if cls != "rej")
+    ranges = _code_ranges(accepted)
+    out: list[str] = []
+    offset, in_code, r = 0, False, 0
+
+    def boundaries_within(start: int, end: int) -> list[int]:
+        cuts = []
+        for a, b in ranges:
+            for cut in (a, b):
+                if start < cut < end:
+                    cuts.append(cut)
+        return sorted(cuts)
+
+    def inside(pos: int) -> bool:
+        return any(a <= pos < b for a, b in ranges)
+
+    for text, cls, title in pieces:
+        if cls == "rej":
+            out.append(f'<s class="rej" title="{esc(title)}">{esc(text)}</s>')
+            continue
+        start, end = offset, offset + len(text)
+        cuts = [start, *boundaries_within(start, end), end]
+        for a, b in zip(cuts, cuts[1:]):
+            want_code = inside(a)
+            if want_code != in_code:
+                out.append('<pre class="code"><code>' if want_code else "</code></pre>")
+                in_code = want_code
+            out.append(f'<span class="{cls}" title="{esc(title)}">{esc(text[a - start:b - start])}</span>')
+        if start == end:  # an empty piece (mid-character) still marks its token
+            out.append(f'<span class="{cls}" title="{esc(title)}"></span>')
+        offset = end
+    if in_code:
+        out.append("</code></pre>")
+    return f'<div class="prov">{"".join(out)}</div>'
+
+
+def legend_html() -> str:
+    items = [
+        ("tok o-serial", "serial head"),
+        *[(f"tok o-mlp d{d}", f"MLP d{d}") for d in (3, 5, 7)],
+        ("tok o-fta", "FTA"),
+        ("tok o-target", "target"),
+        ("rej", "rejected draft"),
+    ]
+    spans = "".join(f'<span class="legend-item"><span class="{c}">{esc(label)}</span></span>' for c, label in items)
+    return f'<div class="legend" id="legend"><b>Token origin:</b> {spans}</div>'
+
+
+def stats_html(stats: dict | None, finish_reason: str | None = None) -> str:
+    """One line of numbers and a small bar chart of acceptance per draft depth."""
+    if not stats:
+        return ""
+    mode = "Gumiho" if stats.get("speculative") else "plain"
+    parts = [
+        f"{mode}",
+        f"{stats.get('tokens_per_s', 0):.1f} tok/s",
+        f"TTFT {stats.get('ttft_s', 0) * 1e3:.0f} ms",
+        f"τ {stats.get('tau', 0):.2f}",
+        f"{stats.get('new_tokens', 0)} tokens",
+        f"{stats.get('forward_passes', 0)} passes",
+    ]
+    if finish_reason:
+        parts.append(esc(finish_reason))
+    bars = ""
+    rates = stats.get("acceptance_per_depth") or []
+    if stats.get("speculative") and rates:
+        cols = "".join(
+            f'<span class="bar" title="depth {d}: {r:.0%}"><span style="height:{max(0.0, min(1.0, r)) * 100:.0f}%">'
+            f"</span><i>{d}</i></span>"
+            for d, r in enumerate(rates, start=1)
+        )
+        bars = f'<span class="bars" title="acceptance rate per draft depth">{cols}</span>'
+    return f'<div class="stats">{" · ".join(parts)} {bars}</div>'
+
+
+def message_html(message: dict, view: str = "colours") -> str:
+    role = message["role"]
+    if role == "user":
+        body = f'<div class="plain">{esc(message["text"])}</div>'
+    elif view == "markdown" or not message.get("steps"):
+        body = f'<div class="md">{markdown_html(message["text"])}</div>'
+    else:
+        body = colour_html(message["steps"])
+    note = ""
+    if message.get("finish_reason") in ("cancelled", "error"):
+        note = f'<div class="note">({"stopped" if message["finish_reason"] == "cancelled" else "failed"}: partial answer)</div>'
+    if message.get("error"):
+        note += f'<div class="error">{esc(message["error"])}</div>'
+    stats = stats_html(message.get("stats"), message.get("finish_reason")) if role == "assistant" else ""
+    return f'<div class="msg {esc(role)}"><div class="who">{esc(role)}</div>{body}{note}{stats}</div>'
+
+
+def chat_html(messages: list[dict], view: str = "colours", show_rejected: bool = False) -> str:
+    classes = "chat" + (" show-rejected" if show_rejected else "")
+    if not messages:
+        inner = '<div class="empty">Say something to start a conversation.</div>'
+    else:
+        inner = "".join(message_html(m, view) for m in messages)
+    return f'<div class="{classes}" id="chat-log">{inner}</div>'
