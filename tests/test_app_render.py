@@ -1,0 +1,69 @@
+"""HTML rendering: escaping (XSS), token colours, code blocks and Markdown kept intact."""
+from app import render
+
+XSS = ['<script>window.pwned=1</script>', '<img src=x onerror="window.pwned=1">']
+
+
+def steps_for(pieces):
+    """Each (text, origin, depth) as its own step's token list, for brevity."""
+    return [{"tokens": [[t, o, d]], "rejected": []} for t, o, d in pieces]
+
+
+def test_model_text_is_escaped_in_both_views():
+    steps = steps_for([(XSS[0], "serial", 1), (" and ", "target", 0), (XSS[1], "mlp", 3)])
+    text = "".join(p[0] for s in steps for p in s["tokens"])
+    message = {"role": "assistant", "text": text, "steps": steps}
+    for view in ("colours", "markdown"):
+        out = render.message_html(message, view)
+        assert "<script" not in out and "<img" not in out, view
+        assert "&lt;script&gt;" in out and "&lt;img" in out
+    user = render.message_html({"role": "user", "text": XSS[1]})
+    assert "<img" not in user
+
+
+def test_rejected_drafts_are_escaped_and_hidden_by_default():
+    steps = [{"tokens": [["ok", "target", 0]], "rejected": ['"><img src=x onerror=alert(1)>']}]
+    out = render.colour_html(steps)
+    assert "<img" not in out and 'class="rej"' in out
+    assert "rejected:" in out  # in the title, for hover
+    assert "show-rejected" in render.chat_html([{"role": "assistant", "text": "ok", "steps": steps}],
+                                               show_rejected=True)
+
+
+def test_colours_by_origin_and_depth():
+    steps = [{"tokens": [["A", "serial", 1], ["B", "mlp", 3], ["C", "mlp", 9], ["D", "fta", 4], ["E", "target", 0]],
+              "rejected": ["x"]}]
+    out = render.colour_html(steps)
+    for cls in ("o-serial", "o-mlp d3", "o-mlp d7", "o-fta", "o-target"):
+        assert f'class="tok {cls}"' in out
+    assert out.index("<s class=\"rej\"") < out.index(">E<")  # the refused draft sits where E went
+
+
+def test_code_block_becomes_pre_even_when_split_across_tokens():
+    pieces = [("Here:\n`", "target", 0), ("``py", "serial", 1), ("thon\nx = 1", "mlp", 3), ("\n```", "target", 0),
+              ("\nDone", "target", 0)]
+    out = render.colour_html(steps_for(pieces))
+    assert out.count('<pre class="code"><code>') == 1 and out.count("</code></pre>") == 1
+    pre = out[out.index("<pre"):out.index("</pre>")]
+    assert "x = 1" in pre and "Done" not in pre and "Here" not in pre
+
+
+def test_unclosed_code_block_while_streaming_is_closed_in_html():
+    out = render.colour_html(steps_for([("```\nprint(1)", "target", 0)]))
+    assert out.endswith("</code></pre></div>")
+
+
+def test_markdown_view_renders_markdown_and_code():
+    text = "# Title\n\n**bold** and `x`\n\n```python\nif a < b:\n    pass\n```\n"
+    out = render.message_html({"role": "assistant", "text": text, "steps": steps_for([(text, "target", 0)])},
+                              "markdown")
+    assert "<h1>Title</h1>" in out and "<strong>bold</strong>" in out
+    assert '<code class="language-python">if a &lt; b:\n    pass\n</code>' in out
+
+
+def test_stats_and_legend():
+    html = render.stats_html({"speculative": True, "tokens_per_s": 10, "ttft_s": 0.05, "tau": 2.5, "new_tokens": 10,
+                              "forward_passes": 4, "acceptance_per_depth": [0.9, 0.4]}, "eos")
+    assert "τ 2.50" in html and "TTFT 50 ms" in html and html.count('class="bar"') == 2
+    legend = render.legend_html()
+    assert "serial head" in legend and "MLP" in legend and "rejected" in legend
