@@ -38,6 +38,7 @@ class StepEvent:
 class GenerationStats:
     speculative: bool
     prompt_tokens: int
+    reused_prompt_tokens: int = 0  # prompt tokens whose KV cache came from the previous turn
     new_tokens: int = 0
     forward_passes: int = 0  # target passes, prefill included
     ttft_s: float = 0.0  # time to first token

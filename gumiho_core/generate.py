@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -50,6 +51,31 @@ class Detokenizer:
         return ""
 
 
+@dataclass
+class PrefixState:
+    """What the last generation leaves for the next: the KV caches of a token sequence.
+
+    A follow-up message re-renders the whole chat; its longest common prefix with `ids`
+    is reused instead of re-read, so time to first token does not grow with the chat.
+    An edit or a regenerate simply shares a shorter prefix.
+    """
+
+    ids: list[int]  # the tokens whose keys/values the target cache holds
+    cache: object  # transformers DynamicCache
+    features: torch.Tensor  # (len(ids), H) target features of those tokens
+    draft_cache: object | None  # the serial head's cache (None after plain decoding)
+    heads: object | None  # the heads that filled draft_cache
+
+
+def common_prefix_length(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 class Engine:
     """A target model with (optionally) Gumiho heads, producing event streams."""
 
@@ -59,6 +85,8 @@ class Engine:
         self.lock = threading.Lock()  # one generation at a time: caches are per call, compute is not
         self.last_run: _Run | None = None
         self.trace_trees = False  # keep every (tree, accepted path): the tree-budget calibration reads them
+        self.reuse_prefix = True
+        self.prefix: PrefixState | None = None
         self.draft_head = None if heads is None else DraftHead(target.lm_head, heads.draft_vocab)
 
     def generate(
@@ -73,9 +101,16 @@ class Engine:
             raise GumihoError("speculative decoding needs draft heads, and none are loaded")
         prompt_ids = self._fit_context(list(prompt_ids), settings)
         with self.lock, torch.inference_mode():
-            run = _Run(self, prompt_ids, settings, cancel)
+            reuse, self.prefix = (self.prefix if self.reuse_prefix else None), None
+            run = _Run(self, prompt_ids, settings, cancel, reuse)
             self.last_run = run  # kept for inspection: its target cache, its counters
-            yield from run.events()
+            try:
+                yield from run.events()
+            finally:
+                # Only a run stopped between steps leaves caches that match its tokens;
+                # one that failed inside a forward pass leaves nothing to reuse.
+                if run.consistent:
+                    self.prefix = run.prefix_state()
 
     def _fit_context(self, prompt_ids: list[int], settings: GenerationSettings) -> list[int]:
         if not prompt_ids:
@@ -95,7 +130,7 @@ class Engine:
 class _Run:
     """The state of one generation call."""
 
-    def __init__(self, engine: Engine, prompt_ids: list[int], settings: GenerationSettings, cancel):
+    def __init__(self, engine: Engine, prompt_ids: list[int], settings: GenerationSettings, cancel, reuse=None):
         from transformers import DynamicCache
 
         self.target, self.heads, self.settings, self.cancel = engine.target, engine.heads, settings, cancel
@@ -116,22 +151,47 @@ class _Run:
         )
         self.finish_reason: str | None = None
         self.draft_cache = self.heads.new_cache() if settings.speculative else None
+        self.features = torch.zeros(0, self.target.hidden_size, device=self.device)  # one row per cached token
+        self.consistent = False
+        self.reused = 0
+        if reuse is not None:
+            self._reuse(reuse)
+
+    def _reuse(self, prefix: PrefixState) -> None:
+        # Keep at least one prompt token to prefill: its logits give the first new token.
+        n = min(common_prefix_length(prefix.ids, self.prompt), len(self.prompt) - 1)
+        if n <= 0:
+            return
+        self.cache = prefix.cache
+        for layer in self.cache.layers:
+            layer.keys, layer.values = layer.keys[:, :, :n], layer.values[:, :, :n]
+        self.features = prefix.features[:n]
+        if self.draft_cache is not None and prefix.draft_cache is not None and prefix.heads is self.heads:
+            # Draft position i read (token i+1, feature i): valid while token i+1 is shared.
+            self.draft_cache = prefix.draft_cache
+            self.draft_cache.crop(min(len(self.draft_cache), n - 1))
+        self.reused = n
+        self.stats.reused_prompt_tokens = n
+
+    def prefix_state(self) -> PrefixState:
+        n = self.cache.get_seq_length()
+        return PrefixState(self.context[:n].tolist(), self.cache, self.features, self.draft_cache, self.heads)
 
     # -- the loop ---------------------------------------------------------------------
     def events(self) -> Iterator[StepEvent | DoneEvent]:
         start = time.perf_counter()
-        root, features = self._prefill()
+        root = self._prefill()
         self.stats.ttft_s = time.perf_counter() - start
+        self.consistent = True
         yield self._emit([], root, [], tree_size=0, draft_ms=0.0, verify_ms=self.stats.ttft_s * 1e3)
-        # Features waiting for the serial head: those of the tokens accepted last step.
-        pending = features
         while self.finish_reason is None:
             if self.cancel is not None and self.cancel.is_set():
                 self.finish_reason = "cancelled"
                 break
             past_len = self.cache.get_seq_length()
             t0 = time.perf_counter()
-            tree = self._draft(root, pending, past_len) if self.settings.speculative else DraftTree.root_only(root)
+            self.consistent = False
+            tree = self._draft(root, past_len) if self.settings.speculative else DraftTree.root_only(root)
             t1 = time.perf_counter()
             tree_tokens = tree.tokens.to(self.device)
             positions = past_len + torch.tensor(tree.depths, device=self.device)
@@ -148,10 +208,11 @@ class _Run:
             self._count_acceptance(tree, result.path)
             if self.trace is not None:
                 self.trace.append((tree, result.path))
-            pending = features[result.path]
+            self.features = torch.cat([self.features, features[result.path]])
             drafted = result.path[1:]
             root = result.bonus
             self.context = torch.cat([self.context, tree_tokens[drafted], self._tensor([root])])
+            self.consistent = True
             yield self._emit(
                 [(int(tree_tokens[n]), tree.sources[n], tree.depths[n]) for n in drafted],
                 root,
@@ -163,22 +224,24 @@ class _Run:
         self.stats.total_s = time.perf_counter() - start
         yield DoneEvent(self.detok.text, list(self.new_ids), self.finish_reason, self.stats)
 
-    def _prefill(self) -> tuple[int, torch.Tensor]:
+    def _prefill(self) -> int:
         ids = self.context
-        positions = torch.arange(len(ids), device=self.device)
-        features, logits = run_target(self.target, self.cache, ids, positions, logits_for=[-1])
+        positions = torch.arange(self.reused, len(ids), device=self.device)
+        features, logits = run_target(self.target, self.cache, ids[self.reused :], positions, logits_for=[-1])
+        self.features = torch.cat([self.features, features])
         self.stats.forward_passes += 1
         root = self.chooser.choose(logits[0], ids)
         self.context = torch.cat([ids, self._tensor([root])])
-        return root, features
+        return root
 
     def _tensor(self, ids: list[int]) -> torch.Tensor:
         return torch.tensor(ids, dtype=torch.long, device=self.device)
 
-    def _draft(self, root: int, pending: torch.Tensor, past_len: int) -> DraftTree:
-        """Feed the serial head the accepted tokens, then draft below `root`."""
+    def _draft(self, root: int, past_len: int) -> DraftTree:
+        """Feed the serial head the tokens it has not read yet, then draft below `root`."""
         heads, cache = self.heads, self.draft_cache
         start = len(cache)
+        pending = self.features[start:]
         # Draft position i reads (token i+1, target feature i): the tokens shifted by one,
         # which ends with the root.
         shifted = self.context[start + 1 :]

@@ -105,7 +105,7 @@ def oracle(monkeypatch):
     """Patch the engine's drafter with `oracle_tree`; `truth` is the full plain answer."""
     state = {"truth": [], "rng": random.Random(0), "size": 12, "depth": 5, "vocab": 96}
 
-    def fake_draft(run, root, pending, past_len):
+    def fake_draft(run, root, past_len):
         k = len(run.new_ids)  # the root is new token k-1; its continuation starts at k
         truth = state["truth"][k : k + state["depth"]]
         if not truth:
@@ -231,3 +231,24 @@ def test_context_limit_error_or_truncation():
     done = run_to_end(engine, prompt, GenerationSettings(max_new_tokens=20, on_overflow="truncate"))
     assert engine.last_run.stats.prompt_tokens == 20 and len(done.token_ids) == 20
     assert done.token_ids == hf_greedy(target, prompt[-20:], 20)
+
+
+def test_prefix_cache_across_turns_is_lossless(target):
+    """A follow-up reuses the chat's KV caches; edits and regenerates share less of them."""
+    engine = Engine(target, new_heads(target))
+    fresh = Engine(target, engine.heads)
+    fresh.reuse_prefix = False
+    turn1 = random_prompts(1, seed=30)[0]
+    a1 = run_to_end(engine, turn1, GenerationSettings(max_new_tokens=15))
+    turn2 = turn1 + a1.token_ids + [7, 8, 9]
+    for speculative in (True, False, True):
+        settings = GenerationSettings(max_new_tokens=15, speculative=speculative)
+        a2 = run_to_end(engine, turn2, settings)
+        assert a2.stats.reused_prompt_tokens >= len(turn1)
+        assert a2.token_ids == run_to_end(fresh, turn2, settings).token_ids == hf_greedy(target, turn2, 15)
+    edited = turn1[:3] + [11, 12] + turn1[3:]  # an edit early in the chat
+    a3 = run_to_end(engine, edited, GenerationSettings(max_new_tokens=15))
+    assert a3.stats.reused_prompt_tokens == 3
+    assert a3.token_ids == hf_greedy(target, edited, 15)
+    again = run_to_end(engine, edited, GenerationSettings(max_new_tokens=15))  # regenerate
+    assert again.token_ids == a3.token_ids and again.stats.reused_prompt_tokens == len(edited) - 1
