@@ -167,6 +167,7 @@ def load_target(
         kwargs["device_map"] = device_name
 
     path = default_model_path() if model is None else Path(os.path.expanduser(str(model)))
+    tok_kwargs: dict = {}
     if path.suffix == ".gguf" or path.is_file():
         if not path.is_file():
             raise GumihoError(f"model file not found: {path}")
@@ -179,16 +180,24 @@ def load_target(
         source, name = str(path), path.name
     elif _looks_like_hub_id(str(model)):
         source, name = str(model), str(model).split("/")[-1]
+        if not _hub_reachable():
+            # No network: a copy already in the Hugging Face cache still works.
+            kwargs["local_files_only"] = tok_kwargs["local_files_only"] = True
     else:
         raise GumihoError(f"model path not found: {path}")
 
     try:
         with _quiet_loading():
-            tokenizer = AutoTokenizer.from_pretrained(source)
+            tokenizer = AutoTokenizer.from_pretrained(source, **tok_kwargs)
             lm = AutoModelForCausalLM.from_pretrained(source, **kwargs)
     except GumihoError:
         raise
     except OSError as exc:  # missing files, unreachable hub, no permission
+        if kwargs.get("local_files_only"):
+            raise GumihoError(
+                f"could not load model {model}: the Hugging Face hub is not reachable from here and the "
+                "model is not in the local cache (give a local folder or .gguf file instead)"
+            ) from exc
         raise GumihoError(f"could not load model {model or path}: {_first_line(exc)}") from exc
     except (ValueError, KeyError, RuntimeError, ImportError) as exc:
         raise GumihoError(f"could not load model {model or path}: {_first_line(exc)}") from exc
@@ -241,6 +250,21 @@ def gguf_as_folder(path: Path) -> Path:
     return folder
 
 
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """Fail fast where there is no network, instead of minutes of download retries."""
+    import socket
+    from urllib.parse import urlparse
+
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0"):
+        return False
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
 def _looks_like_hub_id(text: str) -> bool:
     parts = text.split("/")
     return len(parts) == 2 and all(parts) and not text.startswith((".", "/", "~"))
@@ -266,6 +290,7 @@ class _quiet_loading:
         self._warnings.__enter__()
         warnings.simplefilter("ignore")
         logging.getLogger("transformers").setLevel(logging.ERROR)
+        logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
 
     def __exit__(self, *exc):
         from transformers.utils import logging as hf_logging

@@ -14,9 +14,12 @@ from tiny import tiny_target
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def launch(*args, timeout=300):
+def launch(*args, timeout=300, env=None):
+    import os
+
     return subprocess.run(
-        [sys.executable, str(ROOT / "launch.py"), *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+        [sys.executable, str(ROOT / "launch.py"), *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+        env={**os.environ, **(env or {})},
     )
 
 
@@ -50,6 +53,12 @@ def test_folder_that_is_not_a_model(tmp_path):
 ])
 def test_invalid_settings(flag, value, message):
     assert_one_line_error(launch("generate", "hi", flag, value), message)
+
+
+def test_hub_id_without_a_hub(tmp_path):
+    result = launch("generate", "hi", "--model", "some-org/some-model",
+                    env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)})
+    assert_one_line_error(result, "hub is not reachable")
 
 
 def test_missing_heads_folder(tmp_path):
