@@ -252,3 +252,27 @@ def test_prefix_cache_across_turns_is_lossless(target):
     assert a3.token_ids == hf_greedy(target, edited, 15)
     again = run_to_end(engine, edited, GenerationSettings(max_new_tokens=15))  # regenerate
     assert again.token_ids == a3.token_ids and again.stats.reused_prompt_tokens == len(edited) - 1
+
+
+def test_failure_inside_a_step_leaves_the_engine_clean(target, monkeypatch):
+    engine = Engine(target, new_heads(target))
+    prompt = random_prompts(1, seed=40)[0]
+    expected = hf_greedy(target, prompt, 20)
+    real = generate_module.run_target
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 4:  # inside the third speculative step: the cache already holds tree entries
+            real(*args, **kwargs)
+            raise RuntimeError("injected fault")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(generate_module, "run_target", flaky)
+    got = []
+    with pytest.raises(RuntimeError, match="injected fault"):
+        for event in engine.generate(prompt, GenerationSettings(max_new_tokens=20)):
+            got.extend(t.id for t in getattr(event, "tokens", []))
+    assert got == expected[: len(got)] and engine.prefix is None  # nothing half-done is reused
+    monkeypatch.setattr(generate_module, "run_target", real)
+    assert run_to_end(engine, prompt, GenerationSettings(max_new_tokens=20)).token_ids == expected
