@@ -61,7 +61,7 @@ def build_ui(service: ChatService) -> gr.Blocks:
             with gr.Row():
                 export_json_btn = gr.Button("Export JSON", size="sm")
                 export_md_btn = gr.Button("Export Markdown", size="sm")
-            export_file = gr.File(label="Export", interactive=False)
+            export_file = gr.File(label="Export", interactive=False, elem_id="export-file")
 
         with gr.Tabs():
             with gr.Tab("Chat"):

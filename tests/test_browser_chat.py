@@ -261,3 +261,66 @@ def test_stop_keeps_partial_answer(page, scripted_server):
     [_, answer] = store.messages(session["id"])
     assert answer["finish_reason"] == "cancelled" and answer["text"].startswith("Here is")
     assert len(answer["text"]) < len("".join(t for toks, _ in SCRIPT for t, _, _ in toks)) * 40
+
+
+def test_edit_regenerate_sidebar_export_stats_and_model_errors(page, scripted_server):
+    url, service = scripted_server
+    service.engine.slow = False
+    store = service.store
+    page.goto(url)
+    page.wait_for_selector("#legend")
+    title = '<img src=x onerror="window.pwned=2"> first'
+    send(page, title)
+    page.wait_for_selector("#chat-log .msg.assistant .stats")
+    session = next(s for s in store.sessions() if s["title"] == title)
+
+    # Regenerate replaces the answer (one answer stored, not two).
+    page.locator("#regen").click()
+    page.wait_for_timeout(500)
+    page.wait_for_selector("#chat-log .msg.assistant .stats")
+    assert [m["role"] for m in store.messages(session["id"])] == ["user", "assistant"]
+
+    # Edit last: the message goes back into the box; sending it again replaces the turn.
+    page.locator("#edit").click()
+    page.wait_for_function("() => document.querySelector('#msg textarea').value.includes('first')")
+    assert page.locator("#chat-log .msg").count() == 0
+    send(page, "edited question")
+    page.wait_for_selector("#chat-log .msg.assistant .stats")
+    assert [m["text"] for m in store.messages(session["id"])][0] == "edited question"
+
+    # The sidebar shows the (hostile) title as text; rename and export work.
+    entry = page.locator("#session-list label", has_text="onerror")
+    entry.wait_for()
+    assert page.evaluate("() => window.pwned") is None
+    entry.click()
+    page.locator("#rename-box textarea, #rename-box input").first.fill("Renamed chat")
+    page.get_by_role("button", name="Rename").click()
+    page.locator("#session-list label", has_text="Renamed chat").wait_for()
+    assert store.session(session["id"])["title"] == "Renamed chat"
+    page.get_by_role("button", name="Export JSON").click()
+    link = page.locator('#export-file a[download="Renamed-chat.json"]')
+    link.wait_for()
+    exported = page.request.get(link.get_attribute("href")).json()
+    assert exported["session"]["title"] == "Renamed chat" and len(exported["messages"]) == 2
+
+    # Clear starts a fresh chat; the stats tab plots the stored answers.
+    page.locator("#clear").click()
+    page.wait_for_selector("#chat-log .empty")
+    page.get_by_role("tab", name="Stats").click()
+    page.get_by_role("button", name="Refresh").click()
+    page.wait_for_function("() => document.body.innerText.includes('tokens/s per answer')")
+
+    # A model folder that does not exist: a one-line error in the UI, the app keeps working.
+    page.get_by_role("tab", name="Chat").click()
+    page.get_by_text("Model", exact=True).click()
+    page.get_by_label("Model folder or .gguf (empty = default)").fill("/no/such/model")
+    page.get_by_role("button", name="Load model").click()
+    page.wait_for_function("() => document.body.innerText.includes('error:')")
+    send(page, "still alive?")
+    page.wait_for_selector("#chat-log .msg.assistant .stats")
+
+    # Delete removes the session from the store and the sidebar.
+    page.locator("#session-list label", has_text="Renamed chat").click()
+    page.get_by_role("button", name="Delete").click()
+    page.wait_for_function("() => !document.querySelector('#session-list').innerText.includes('Renamed chat')")
+    assert store.session(session["id"]) is None
