@@ -101,14 +101,14 @@ class Store:
             if version > SCHEMA_VERSION:
                 raise RuntimeError(f"{self.path} was written by a newer gumiho-chat (schema {version})")
             for step in range(version, SCHEMA_VERSION):
-                with self.db.conn:  # each migration commits whole or not at all
+                with self.db.atomic():  # each migration commits whole or not at all
                     MIGRATIONS[step](self.db)
                     # PRAGMA takes no parameters; `step + 1` is our own integer.
                     self.db.execute(f"PRAGMA user_version = {int(step + 1)}")
 
     # -- sessions -------------------------------------------------------------------------
     def create_session(self, title: str, model: str = "", heads: str = "", settings: dict | None = None) -> int:
-        with self.lock, self.db.conn:
+        with self.lock, self.db.atomic():
             row = {"title": title, "created": now(), "updated": now(), "model": model, "heads": heads,
                    "settings": json.dumps(settings or {})}
             return self.db["sessions"].insert(row).last_pk
@@ -128,17 +128,17 @@ class Store:
         return row
 
     def rename_session(self, session_id: int, title: str) -> None:
-        with self.lock, self.db.conn:
+        with self.lock, self.db.atomic():
             self.db["sessions"].update(session_id, {"title": title, "updated": now()})
 
     def update_session(self, session_id: int, **fields) -> None:
         if "settings" in fields:
             fields["settings"] = json.dumps(fields["settings"])
-        with self.lock, self.db.conn:
+        with self.lock, self.db.atomic():
             self.db["sessions"].update(session_id, {**fields, "updated": now()})
 
     def delete_session(self, session_id: int) -> None:
-        with self.lock, self.db.conn:
+        with self.lock, self.db.atomic():
             self.db.execute("DELETE FROM answer_stats WHERE session_id = ?", [session_id])
             self.db.execute("DELETE FROM messages WHERE session_id = ?", [session_id])
             self.db.execute("DELETE FROM sessions WHERE id = ?", [session_id])
@@ -146,7 +146,7 @@ class Store:
     # -- messages -----------------------------------------------------------------------
     def add_message(self, session_id: int, role: str, text: str, steps: list | None = None,
                     speculative: bool | None = None, finish_reason: str | None = None) -> int:
-        with self.lock, self.db.conn:
+        with self.lock, self.db.atomic():
             position = self.db.execute(
                 "SELECT COALESCE(MAX(position), -1) + 1 FROM messages WHERE session_id = ?", [session_id]
             ).fetchone()[0]
@@ -168,7 +168,7 @@ class Store:
 
     def delete_messages(self, message_ids: list[int]) -> None:
         """Drop turns (edit / regenerate replace them) with their stats."""
-        with self.lock, self.db.conn:
+        with self.lock, self.db.atomic():
             for message_id in message_ids:
                 self.db.execute("DELETE FROM answer_stats WHERE message_id = ?", [message_id])
                 self.db.execute("DELETE FROM messages WHERE id = ?", [message_id])
@@ -177,7 +177,7 @@ class Store:
     def add_stats(self, session_id: int, message_id: int | None, stats: dict, finish_reason: str,
                   model: str = "") -> int:
         """`stats` is GenerationStats.to_dict()."""
-        with self.lock, self.db.conn:
+        with self.lock, self.db.atomic():
             row = {
                 "session_id": session_id, "message_id": message_id, "speculative": int(stats["speculative"]),
                 "new_tokens": stats["new_tokens"], "forward_passes": stats["forward_passes"],

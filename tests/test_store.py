@@ -81,3 +81,24 @@ def test_old_schema_is_migrated(tmp_path):
     store = Store(path)
     assert store.version() == SCHEMA_VERSION
     assert "model" in store.db["answer_stats"].columns_dict
+
+
+def test_a_failed_write_leaves_nothing_behind(tmp_path, monkeypatch):
+    store = Store(tmp_path / "chat.db")
+    sid = store.create_session("t")
+    mid = store.add_message(sid, "assistant", "x")
+    store.add_stats(sid, mid, STATS, "eos")
+    real = store.db.execute
+
+    def fail_on_messages(sql, *args):
+        if sql.startswith("DELETE FROM messages"):
+            raise sqlite3.OperationalError("disk I/O error")
+        return real(sql, *args)
+
+    monkeypatch.setattr(store.db, "execute", fail_on_messages)
+    try:
+        store.delete_session(sid)
+    except sqlite3.OperationalError:
+        pass
+    monkeypatch.undo()
+    assert len(store.stats(sid)) == 1 and len(store.messages(sid)) == 1  # the stats delete was rolled back
