@@ -15,7 +15,7 @@ import gradio as gr
 
 from gumiho_core import GumihoError
 
-from . import render
+from . import models, render
 from .chat import Answer, ChatService, Options
 
 # Stop buttons find the running generation by the browser session's hash.
@@ -95,8 +95,12 @@ def build_ui(service: ChatService) -> gr.Blocks:
                 with gr.Accordion("Model", open=False):
                     model_status = gr.Markdown(_model_note(service))
                     with gr.Row():
-                        model_path = gr.Textbox(label="Model folder or .gguf (empty = default)")
-                        heads_path = gr.Textbox(label="Heads folder (empty = shipped or untrained)")
+                        # Suggestions from models/, assets/heads/ and runs/; any local path can be typed.
+                        model_path = gr.Dropdown(["", *models.model_choices()], value="", allow_custom_value=True,
+                                                 label="Model folder or .gguf (empty = default)", elem_id="model-path")
+                        heads_path = gr.Dropdown(["", *models.heads_choices()], value="", allow_custom_value=True,
+                                                 label="Heads folder (empty = shipped or untrained)",
+                                                 elem_id="heads-path")
                     load_btn = gr.Button("Load model")
             with gr.Tab("Stats"):
                 gr.Markdown("Speed and τ of every stored answer, speculative vs plain.")
@@ -268,7 +272,7 @@ def build_ui(service: ChatService) -> gr.Blocks:
         def load_model(path, heads, st):
             try:
                 service.engine, service.heads_note = _load_engine(path, heads)
-                service.model_name = path.strip() or "default"
+                service.model_name = (path or "").strip() or "default"
             except GumihoError as exc:
                 return f"**error:** {render.esc(str(exc))}", gr.skip()
             return _model_note(service), gr.update(value=service.has_heads)

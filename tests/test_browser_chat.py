@@ -313,7 +313,9 @@ def test_edit_regenerate_sidebar_export_stats_and_model_errors(page, scripted_se
     # A model folder that does not exist: a one-line error in the UI, the app keeps working.
     page.get_by_role("tab", name="Chat").click()
     page.get_by_text("Model", exact=True).click()
-    page.get_by_label("Model folder or .gguf (empty = default)").fill("/no/such/model")
+    box = page.locator("#model-path input")
+    box.fill("/no/such/model")
+    box.press("Enter")
     page.get_by_role("button", name="Load model").click()
     page.wait_for_function("() => document.body.innerText.includes('error:')")
     send(page, "still alive?")
