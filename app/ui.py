@@ -102,7 +102,7 @@ def build_ui(service: ChatService) -> gr.Blocks:
                                                  label="Heads folder (empty = shipped or untrained)",
                                                  elem_id="heads-path")
                     load_btn = gr.Button("Load model")
-            with gr.Tab("Stats"):
+            with gr.Tab("Stats") as stats_tab:
                 gr.Markdown("Speed and τ of every stored answer, speculative vs plain.")
                 refresh_btn = gr.Button("Refresh", size="sm")
                 speed_plot = gr.LinePlot(x="n", y="tokens_per_s", color="mode", title="tokens/s per answer",
@@ -300,6 +300,7 @@ def build_ui(service: ChatService) -> gr.Blocks:
         export_md_btn.click(lambda s: export(s, "md"), sessions, export_file, **private)
         load_btn.click(load_model, [model_path, heads_path, state], [model_status, spec], **private)
         refresh_btn.click(stats_outputs, None, [speed_plot, tau_plot, stats_table], **private)
+        stats_tab.select(stats_outputs, None, [speed_plot, tau_plot, stats_table], **private)
         demo.load(lambda: gr.update(choices=_session_choices(service)), None, sessions, **private)
         demo.load(stats_outputs, None, [speed_plot, tau_plot, stats_table], **private)
 
