@@ -4,10 +4,18 @@ Everything the model (or the user) wrote passes through `html.escape` (or markdo
 with raw HTML disabled, which escapes it too) before any markup of ours is added, so a
 `<script>` in an answer is shown as text, never run.
 
-Two views of an answer:
-  "colours"  - every token is a <span> coloured by where it came from; fenced code
-               blocks become <pre> blocks so code keeps its layout; whitespace is kept.
-  "markdown" - the answer's text rendered as Markdown (headings, lists, code).
+Three views of an answer:
+  "colours"  - the answer rendered as Markdown, and inside it every token's text wrapped
+               in a <span> coloured by where the token came from (the default).
+  "tokens"   - the raw token stream: one span per token, whitespace kept, fenced code as
+               <pre>; shows token boundaries exactly, Markdown syntax left as typed.
+  "markdown" - plain Markdown, no colours.
+
+How "colours" keeps Markdown intact: a marker made of private-use characters is put into
+the text where each token starts, the text is rendered by markdown-it, and then each text
+node of the HTML is split at the markers into coloured spans (spans never cross a tag).
+Markers are left out next to Markdown punctuation and at line starts, where they could
+change how the Markdown parses; such a token shares its neighbour's span.
 
 A "step" is what one target forward pass produced (see gumiho_core.events.StepEvent),
 stored as {"tokens": [[text, origin, depth], ...], "rejected": [text, ...]}.
@@ -16,6 +24,7 @@ from __future__ import annotations
 
 import html
 import re
+from html.parser import HTMLParser
 
 from markdown_it import MarkdownIt
 
@@ -117,6 +126,128 @@ def colour_html(steps: list[dict]) -> str:
     return f'<div class="prov">{"".join(out)}</div>'
 
 
+# -- colours on top of Markdown ------------------------------------------------------------
+_M_OPEN, _M_CLOSE, _M_DIGIT0 = "\ue000", "\ue001", 0xE010  # private use: never Markdown syntax
+_MARKER = re.compile(f"{_M_OPEN}([\ue010-\ue019]+){_M_CLOSE}")
+_SYNTAX = set("*_~`#>-+=|[]()!\\<&:.")
+
+
+def _marker(index: int) -> str:
+    return _M_OPEN + "".join(chr(_M_DIGIT0 + int(d)) for d in str(index)) + _M_CLOSE
+
+
+def _marker_index(match: re.Match) -> int:
+    return int("".join(str(ord(c) - _M_DIGIT0) for c in match.group(1)))
+
+
+_BLOCK_PREFIX = re.compile(r"[ \t#>*+=\-`~|0-9.)]*")  # what can open a heading, list, fence, rule...
+_ENTITY_START = re.compile(r"&[#A-Za-z0-9]*$")
+
+
+def _fence_bodies(text: str) -> list[tuple[int, int]]:
+    """The literal content of each fenced block: after its opening line, before its closing fence."""
+    bodies = []
+    for m in _FENCE.finditer(text):
+        start = text.index("\n", m.start()) + 1
+        block = text[start:m.end()]
+        closing = re.search(r"(?m)^(```|~~~)[ \t]*\Z", block)
+        bodies.append((start, start + closing.start() if closing else m.end()))
+    return bodies
+
+
+def _safe_for_marker(text: str, at: int, bodies: list[tuple[int, int]]) -> bool:
+    """May a marker go at `at` without changing how the Markdown parses?"""
+    if any(a <= at < b for a, b in bodies):  # code is literal: anything goes
+        return True
+    before = text[at - 1] if at > 0 else "\n"
+    after = text[at] if at < len(text) else "\n"
+    if before in _SYNTAX and after in _SYNTAX:  # inside "**", "``", "\\*", "](" ...
+        return False
+    if _ENTITY_START.search(text[max(0, at - 12):at]):  # inside "&lt;"
+        return False
+    line = text[text.rfind("\n", 0, at) + 1:at]
+    if line.lstrip().startswith(("```", "~~~")):  # a fence's info string ("python")
+        return False
+    # On a line that so far holds only block syntax ("#", "1.", "```", "---"), a marker
+    # is safe only right before a word ("# |Title", "```|python").
+    return not (_BLOCK_PREFIX.fullmatch(line) and not after.isalpha())
+
+
+class _Colourer(HTMLParser):
+    """Rebuilds markdown-it's HTML, wrapping text between markers in token spans."""
+
+    def __init__(self, tokens: list[tuple[str, str, list[str]]]):
+        super().__init__(convert_charrefs=True)
+        self.tokens, self.out, self.current, self.in_pre = tokens, [], None, 0
+
+    def _tag(self, tag, attrs, close=""):
+        # Our own markdown-it output, rebuilt with every value escaped and markers removed.
+        parts = "".join(f' {k}="{esc(_MARKER.sub("", v or ""))}"' for k, v in attrs)
+        self.out.append(f"<{tag}{parts}{close}>")
+
+    def handle_starttag(self, tag, attrs):
+        self.in_pre += tag == "pre"
+        self._tag(tag, attrs)
+
+    def handle_startendtag(self, tag, attrs):
+        self._tag(tag, attrs, " /")
+
+    def handle_endtag(self, tag):
+        self.in_pre -= tag == "pre"
+        self.out.append(f"</{tag}>")
+
+    def handle_data(self, data):
+        pos = 0
+        for m in _MARKER.finditer(data):
+            self._text(data[pos:m.start()])
+            self.current = _marker_index(m)
+            for r in self.tokens[self.current][2]:
+                self.out.append(f'<s class="rej" title="rejected draft">{esc(r)}</s>')
+            pos = m.end()
+        self._text(data[pos:])
+
+    def _text(self, text):
+        if not text:
+            return
+        # Newlines between block tags are layout, not text: a span there (say inside <ul>)
+        # would be invalid HTML.
+        if self.current is None or (not self.in_pre and not text.strip()):
+            self.out.append(esc(text))
+            return
+        cls, title = self.tokens[self.current][1], self.tokens[self.current][3]
+        self.out.append(f'<span class="{cls}" title="{esc(title)}">{esc(text)}</span>')
+
+
+def coloured_markdown_html(steps: list[dict]) -> str:
+    """The answer as Markdown with each token's text coloured by its origin."""
+    tokens = []  # (text, css class, rejected before it, title)
+    for step in steps:
+        rejected = [r for r in step.get("rejected", []) if r]
+        for text, origin, depth in step.get("tokens", []):
+            title = f"{origin}" + (f" depth {depth}" if depth else "")
+            refused = rejected if origin == "target" else []
+            if refused:
+                title += " · rejected: " + " | ".join(repr(r) for r in refused)
+            tokens.append((text, _token_class(origin, depth), refused, title))
+    marked, length = [], 0
+    full = "".join(t[0] for t in tokens)
+    bodies = _fence_bodies(full)
+    shown = [list(t) for t in tokens]
+    carried: list[str] = []  # rejected drafts of tokens that got no marker go with the next one
+    for i, (text, _cls, refused, _title) in enumerate(tokens):
+        if text and _safe_for_marker(full, length, bodies):
+            marked.append(_marker(i))
+            shown[i][2], carried = carried + refused, []
+        else:
+            carried += refused
+        marked.append(text)
+        length += len(text)
+    colourer = _Colourer([tuple(t) for t in shown])
+    colourer.feed(_markdown.render("".join(marked)))
+    colourer.close()
+    return f'<div class="md coloured">{"".join(colourer.out)}</div>'
+
+
 def legend_html() -> str:
     items = [
         ("tok o-serial", "serial head"),
@@ -162,8 +293,10 @@ def message_html(message: dict, view: str = "colours") -> str:
         body = f'<div class="plain">{esc(message["text"])}</div>'
     elif view == "markdown" or not message.get("steps"):
         body = f'<div class="md">{markdown_html(message["text"])}</div>'
-    else:
+    elif view == "tokens":
         body = colour_html(message["steps"])
+    else:
+        body = coloured_markdown_html(message["steps"])
     note = ""
     if message.get("finish_reason") in ("cancelled", "error"):
         note = f'<div class="note">({"stopped" if message["finish_reason"] == "cancelled" else "failed"}: partial answer)</div>'

@@ -83,7 +83,8 @@ def build_ui(service: ChatService) -> gr.Blocks:
                     with gr.Row():
                         spec = gr.Checkbox(value=service.has_heads, label="Speculative decoding (Gumiho)",
                                            elem_id="spec")
-                        view = gr.Radio([("Token colours", "colours"), ("Markdown", "markdown")], value="colours",
+                        view = gr.Radio([("Colours", "colours"), ("Raw tokens", "tokens"), ("Markdown", "markdown")],
+                                        value="colours",
                                         label="View", elem_id="view")
                         show_rej = gr.Checkbox(value=False, label="Show rejected drafts (struck through)",
                                                elem_id="show-rej")

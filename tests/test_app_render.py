@@ -1,4 +1,6 @@
 """HTML rendering: escaping (XSS), token colours, code blocks and Markdown kept intact."""
+import re
+
 from app import render
 
 XSS = ['<script>window.pwned=1</script>', '<img src=x onerror="window.pwned=1">']
@@ -13,7 +15,7 @@ def test_model_text_is_escaped_in_both_views():
     steps = steps_for([(XSS[0], "serial", 1), (" and ", "target", 0), (XSS[1], "mlp", 3)])
     text = "".join(p[0] for s in steps for p in s["tokens"])
     message = {"role": "assistant", "text": text, "steps": steps}
-    for view in ("colours", "markdown"):
+    for view in ("colours", "tokens", "markdown"):
         out = render.message_html(message, view)
         assert "<script" not in out and "<img" not in out, view
         assert "&lt;script&gt;" in out and "&lt;img" in out
@@ -42,7 +44,7 @@ def test_colours_by_origin_and_depth():
 def test_code_block_becomes_pre_even_when_split_across_tokens():
     pieces = [("Here:\n`", "target", 0), ("``py", "serial", 1), ("thon\nx = 1", "mlp", 3), ("\n```", "target", 0),
               ("\nDone", "target", 0)]
-    out = render.colour_html(steps_for(pieces))
+    out = render.colour_html(steps_for(pieces))  # the raw-tokens view
     assert out.count('<pre class="code"><code>') == 1 and out.count("</code></pre>") == 1
     pre = out[out.index("<pre"):out.index("</pre>")]
     assert "x = 1" in pre and "Done" not in pre and "Here" not in pre
@@ -67,3 +69,31 @@ def test_stats_and_legend():
     assert "τ 2.50" in html and "TTFT 50 ms" in html and html.count('class="bar"') == 2
     legend = render.legend_html()
     assert "serial head" in legend and "MLP" in legend and "rejected" in legend
+
+
+def test_coloured_markdown_keeps_markdown_and_code():
+    pieces = [("Here", "target", 0), (" is", "serial", 1), (" **", "serial", 2), ("bold", "mlp", 3), ("**", "mlp", 4),
+              ("\n\n-", "target", 0), (" item", "serial", 1), ("\n\n``", "target", 0), ("`py", "serial", 1),
+              ("thon\n", "target", 0), ("if a < b:\n", "mlp", 5), ("    pass\n", "mlp", 6), ("```", "target", 0),
+              ("\n", "target", 0), ("# Done", "serial", 1)]
+    out = render.coloured_markdown_html(steps_for(pieces))
+    assert '<strong><span class="tok o-mlp d3" title="mlp depth 3">bold</span></strong>' in out
+    assert "<ul>" in out and "<li>" in out and "<h1>" in out
+    code = out[out.index('<pre><code class="language-python">'):out.index("</code></pre>")]
+    assert 'o-mlp d5' in code and 'o-mlp d6' in code
+    assert re.sub("<[^>]+>", "", code).endswith("if a &lt; b:\n    pass\n")  # layout kept, text escaped
+    assert "\ue000" not in out and "\ue001" not in out  # no marker survives
+    # No span sits directly inside a list or between blocks.
+    assert "<ul>\n<span" not in out and "</p>\n<span" not in out
+
+
+def test_markers_never_break_block_syntax():
+    """Token boundaries inside Markdown syntax still give the same document as plain Markdown."""
+    text = "# Title\n\n1. one\n2. two\n\n---\n\n> quote &amp; *em* `code`\n\n```js\nlet x = 1;\n```\n"
+    plain = render.markdown_html(text)
+    for size in (1, 2, 3):  # every way of cutting the text into tokens of this length
+        pieces = [(text[i:i + size], "serial", 1) for i in range(0, len(text), size)]
+        coloured = render.coloured_markdown_html(steps_for(pieces))
+        assert re.sub("<[^>]+>", "", coloured).strip() == re.sub("<[^>]+>", "", plain).strip()
+        tags = lambda h: [t for t in re.findall(r"</?(\w+)", h) if t not in ("span", "div", "s")]
+        assert tags(coloured) == tags(plain), size

@@ -226,8 +226,9 @@ def test_colours_xss_code_and_rejected(page, scripted_server):
     assert XSS in answer.inner_text()
     assert page.evaluate("() => window.pwned") is None
     assert page.locator("#chat-log img, #chat-log script").count() == 0
-    # Code keeps its layout in a <pre>, colours included.
-    code = answer.locator("pre.code")
+    # Markdown is rendered under the colours: bold, and code keeps its layout in a <pre>.
+    assert answer.locator("strong .tok.o-mlp").inner_text() == "bold"
+    code = answer.locator("pre code")
     assert code.count() == 1 and "    print(a)" in code.inner_text() and code.locator(".tok").count() >= 2
     # Rejected drafts: hidden, then struck through with the toggle.
     assert not answer.locator("s.rej").first.is_visible()
@@ -238,11 +239,16 @@ def test_colours_xss_code_and_rejected(page, scripted_server):
     ARTIFACTS.mkdir(exist_ok=True)
     last_answer(page).screenshot(path=str(ARTIFACTS / "answer.png"))
     page.screenshot(path=str(ARTIFACTS / "chat-page.png"), full_page=True)
-    # The Markdown view renders bold and the code block, still escaping the model's HTML.
+    # Raw tokens: token boundaries exactly, Markdown as typed, code fenced in a <pre>.
+    page.locator("#view label", has_text="Raw tokens").click()
+    page.wait_for_selector("#chat-log .msg.assistant .prov pre.code")
+    assert "**bold**" in last_answer(page).inner_text() and XSS in last_answer(page).inner_text()
+    last_answer(page).screenshot(path=str(ARTIFACTS / "answer-raw-tokens.png"))
+    # Plain Markdown, no colours, still escaping the model's HTML.
     page.locator("#view label", has_text="Markdown").click()
-    page.wait_for_selector("#chat-log .msg.assistant .md strong")
+    page.wait_for_selector("#chat-log .msg.assistant .md:not(.coloured) strong")
     md = last_answer(page)
-    assert md.locator("pre code").count() == 1 and XSS in md.inner_text()
+    assert md.locator("pre code").count() == 1 and XSS in md.inner_text() and md.locator(".tok").count() == 0
     assert page.evaluate("() => window.pwned") is None
 
 
@@ -309,6 +315,8 @@ def test_edit_regenerate_sidebar_export_stats_and_model_errors(page, scripted_se
     page.get_by_role("tab", name="Stats").click()
     page.get_by_role("button", name="Refresh").click()
     page.wait_for_function("() => document.body.innerText.includes('tokens/s per answer')")
+    page.wait_for_timeout(500)
+    page.screenshot(path=str(ARTIFACTS / "stats-tab.png"), full_page=True)
 
     # A model folder that does not exist: a one-line error in the UI, the app keeps working.
     page.get_by_role("tab", name="Chat").click()
