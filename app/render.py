@@ -23,7 +23,9 @@ stored as {"tokens": [[text, origin, depth], ...], "rejected": [text, ...]}.
 from __future__ import annotations
 
 import html
+import json
 import re
+from collections import OrderedDict
 from html.parser import HTMLParser
 
 from markdown_it import MarkdownIt
@@ -306,10 +308,28 @@ def message_html(message: dict, view: str = "colours") -> str:
     return f'<div class="msg {esc(role)}"><div class="who">{esc(role)}</div>{body}{note}{stats}</div>'
 
 
+# Stored messages never change (edits delete and re-add), so their HTML is kept: while an
+# answer streams, only the growing answer is rendered again at each step.
+_rendered: OrderedDict = OrderedDict()
+
+
+def _cached_message_html(message: dict, view: str) -> str:
+    if message.get("id") is None:
+        return message_html(message, view)
+    # The whole message is the key (C-fast to serialise), so two databases in one process
+    # with the same row ids can never share an entry.
+    key = (view, json.dumps(message, sort_keys=True, default=str))
+    if key not in _rendered:
+        _rendered[key] = message_html(message, view)
+        if len(_rendered) > 2000:
+            _rendered.popitem(last=False)
+    return _rendered[key]
+
+
 def chat_html(messages: list[dict], view: str = "colours", show_rejected: bool = False) -> str:
     classes = "chat" + (" show-rejected" if show_rejected else "")
     if not messages:
         inner = '<div class="empty">Say something to start a conversation.</div>'
     else:
-        inner = "".join(message_html(m, view) for m in messages)
+        inner = "".join(_cached_message_html(m, view) for m in messages)
     return f'<div class="{classes}" id="chat-log">{inner}</div>'
