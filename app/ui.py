@@ -151,7 +151,7 @@ def build_ui(service: ChatService) -> gr.Blocks:
                     if service.store is not None and st["session_id"] is not None:
                         message["id"] = service.save_answer(st["session_id"], answer, opts.speculative)
                     st["messages"].append(message)
-            note = f"**{answer.error}**" if answer.error else ""
+            note = f"**{render.esc(answer.error)}**" if answer.error else ""
             yield (render.chat_html(st["messages"], view_name, rej), st, "", note,
                    gr.update(choices=_session_choices(service), value=st["session_id"]))
 
