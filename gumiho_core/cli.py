@@ -78,7 +78,9 @@ def load_engine(args, need_heads: bool = True):
     target = load_target(args.model, dtype=args.dtype, quantize=args.quantize, device=args.device)
     heads, note = None, ""
     if args.heads:
-        heads = HeadCheckpoint.load(args.heads, target)
+        from .published import load_heads
+
+        heads = load_heads(args.heads, target)
         note = str(args.heads)
     elif args.model is None and SHIPPED_HEADS.exists():
         heads = HeadCheckpoint.load(SHIPPED_HEADS, target)
