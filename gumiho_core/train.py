@@ -1,0 +1,324 @@
+"""Training the Gumiho heads by self-distillation: `python launch.py train --data DIR --out DIR`.
+
+Reads top to bottom: data -> model -> losses -> loop. Indexing follows the engine exactly
+(f_t = target feature after token x_t; see draft_tree.py and generate.py):
+
+  serial, depth 1:  u_t  = fc(embed(x_{t+1}), f_t + noise)   -> g_t  ~ f_{t+1}
+  serial, depth 2:  u'_t = fc(embed(x_{t+2}), g_t)            -> g2_t ~ f_{t+2}
+                    (the head reads its own output, as when drafting; this pass attends to
+                     the teacher-forced context of positions <= t and to itself only)
+  MLP head j:       cat(u'_t, fc(embed(x_{t+3}), g2_t))       -> ~ f_{t+3+j}
+
+Each prediction gets the Gumiho loss: SmoothL1 against the target feature (weight 1.0)
+plus cross-entropy against the target's next-token distribution (weight 0.1). The
+cross-entropy is taken over the heads' draft vocabulary (the most frequent tokens of the
+training data), the same vocabulary the engine drafts from; on this CPU the full 49k
+vocabulary for 4 predictions per token would cost ~6x more, and verification always uses
+the full vocabulary, so output stays lossless whatever the heads predict.
+
+Built on Hugging Face accelerate: the same command runs on this CPU or, through
+`accelerate launch` and its config, on several GPUs (DDP / DeepSpeed).
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .errors import GumihoError
+from .heads import GumihoHeads, HeadCheckpoint, HeadConfig, causal_mask
+
+V_WEIGHT, P_WEIGHT = 1.0, 0.1  # Gumiho: features loss 1.0, distribution loss 0.1
+NOISE_STD = 0.2  # uniform noise on input features, scaled by 512 / hidden as in the reference
+
+
+# -- data -----------------------------------------------------------------------------------
+
+
+def frequent_tokens(conversations: list[dict], size: int, always: set[int]) -> list[int]:
+    """The `size` most frequent answer tokens (plus `always`, e.g. EOS): the draft vocabulary."""
+    counts = Counter()
+    for c in conversations:
+        counts.update(c["input_ids"][c["loss_mask"]].tolist())
+    ids = set(always)
+    for token, _ in counts.most_common():
+        if len(ids) >= size:
+            break
+        ids.add(int(token))
+    return sorted(ids)
+
+
+def batches(conversations: list[dict], batch_size: int, max_len: int, seed: int, epoch: int):
+    """Right-padded batches in an order fixed by (seed, epoch), so a resumed run sees the same data."""
+    order = list(range(len(conversations)))
+    random.Random(seed * 1000 + epoch).shuffle(order)
+    for start in range(0, len(order), batch_size):
+        chunk = [conversations[i] for i in order[start : start + batch_size]]
+        yield collate(chunk, max_len)
+
+
+def collate(chunk: list[dict], max_len: int) -> dict:
+    length = min(max_len, max(len(c["input_ids"]) for c in chunk))
+    hidden = chunk[0]["features"].shape[1]
+    ids = torch.zeros(len(chunk), length, dtype=torch.long)
+    feats = torch.zeros(len(chunk), length, hidden)
+    mask = torch.zeros(len(chunk), length)
+    for row, c in enumerate(chunk):
+        n = min(length, len(c["input_ids"]))
+        ids[row, :n] = c["input_ids"][:n]
+        feats[row, :n] = c["features"][:n]
+        mask[row, :n] = c["loss_mask"][:n].float()
+    return {"input_ids": ids, "features": feats, "loss_mask": mask}
+
+
+# -- model ------------------------------------------------------------------------------------
+
+
+class DraftTrainer(nn.Module):
+    """The heads plus the target's frozen embedding and (draft-vocabulary) lm_head."""
+
+    def __init__(self, heads: GumihoHeads, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor):
+        super().__init__()
+        self.heads = heads
+        vocab = heads.draft_vocab
+        self.register_buffer("embed_weight", embed_weight.detach().float().clone(), persistent=False)
+        self.register_buffer("head_weight", lm_head_weight.detach().float()[vocab].clone(), persistent=False)
+        self.register_buffer("full_head_weight", lm_head_weight.detach().float(), persistent=False)
+
+    def embed(self, ids):
+        return F.embedding(ids, self.embed_weight)
+
+    def forward(self, batch: dict, noise: torch.Tensor | None = None, measure: bool = False) -> dict:
+        ids, f, m = batch["input_ids"], batch["features"], batch["loss_mask"]
+        b, t, h = f.shape
+        heads = self.heads
+        positions = torch.arange(t, device=f.device)
+        f_in = f if noise is None else f + noise
+
+        # serial, depth 1 (teacher forcing over the whole sequence, with a cache for depth 2)
+        cache = heads.new_cache()
+        u = heads.fc_input(self.embed(ids[:, 1:]), f_in[:, :-1])  # (b, t-1, h)
+        g = heads.serial(u, positions[: t - 1], cache)
+        # serial, depth 2: query q (position q+1) sees cached positions <= q and itself
+        q = t - 2
+        u2 = heads.fc_input(self.embed(ids[:, 2:]), g[:, :q])
+        mask = torch.cat([causal_mask(q, 0, f.device)[:, :q], torch.zeros(q, 1, dtype=torch.bool, device=f.device),
+                          torch.eye(q, dtype=torch.bool, device=f.device)], dim=1)
+        g2 = heads.serial(u2, positions[1 : q + 1], cache, mask=mask[None, None])
+        # MLP heads on [u'_t, fc(embed(x_{t+3}), g2_t)]
+        pair = torch.cat([u2[:, : t - 3], heads.fc_input(self.embed(ids[:, 3:]), g2[:, : t - 3])], dim=-1)
+        mlp_out = heads.parallel(pair)  # (heads, b, t-3, h)
+
+        predictions = [(g, 1), (g2, 2)] + [(mlp_out[j, :, : t - 3 - j], 3 + j) for j in range(mlp_out.shape[0])]
+        with torch.no_grad():
+            target_logp = torch.log_softmax(f @ self.head_weight.T, dim=-1)  # (b, t, V')
+            target_token = (f @ self.full_head_weight.T).argmax(-1) if measure else None
+        losses, metrics = [], {}
+        for pred, shift in predictions:
+            n = pred.shape[1]
+            want, w = f[:, shift : shift + n], m[:, shift : shift + n]
+            denom = w.sum() + 1e-5
+            v = (F.smooth_l1_loss(pred, want, reduction="none").mean(-1) * w).sum() / denom
+            logp = torch.log_softmax(pred @ self.head_weight.T, dim=-1)
+            p = -((target_logp[:, shift : shift + n].exp() * logp).sum(-1) * w).sum() / denom
+            losses.append(V_WEIGHT * v + P_WEIGHT * p)
+            if measure:
+                drafted = self.heads.draft_vocab[logp.argmax(-1)]
+                metrics[shift] = (drafted == target_token[:, shift : shift + n], w)
+        out = {"loss": torch.stack(losses).sum()}
+        if measure:
+            out["correct"] = metrics
+        return out
+
+
+def new_trainable_heads(target, draft_vocab: list[int], seed: int = 0, **overrides) -> GumihoHeads:
+    """Fresh heads for `target`: the serial head starts as "the next feature is this one"."""
+    torch.manual_seed(seed)
+    config = HeadConfig.for_target(target, draft_vocab_size=len(draft_vocab), **overrides)
+    heads = GumihoHeads(config)
+    h = config.hidden_size
+    with torch.no_grad():
+        heads.fc.weight.zero_()
+        heads.fc.weight[:, h:] = torch.eye(h)  # u = f at first
+        heads.fc.weight[:, :h].normal_(0, 0.02)
+        heads.fc.bias.zero_()
+        for layer in heads.layers:  # residual branches start closed
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        heads.draft_vocab.copy_(torch.tensor(draft_vocab))
+    return heads
+
+
+# -- evaluation ---------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def evaluate(model: DraftTrainer, conversations: list[dict], batch_size: int, max_len: int) -> dict:
+    """Greedy chain accuracy per depth (what the engine's top beam would get accepted) and tau."""
+    model.eval()
+    chains, offered = None, None
+    loss_sum, n_batches = 0.0, 0
+    for start in range(0, len(conversations), batch_size):
+        batch = collate(conversations[start : start + batch_size], max_len)
+        out = model(batch, measure=True)
+        loss_sum += float(out["loss"])
+        n_batches += 1
+        correct = out["correct"]
+        depths = sorted(correct)
+        n = min(c.shape[1] for c, _ in correct.values())  # positions where every depth exists
+        alive = torch.ones_like(correct[depths[0]][0][:, :n], dtype=torch.bool)
+        weight = correct[depths[0]][1][:, :n] > 0
+        if chains is None:
+            chains, offered = [0.0] * len(depths), [0.0] * len(depths)
+        for i, d in enumerate(depths):
+            offered[i] += float((alive & weight).sum())
+            alive = alive & correct[d][0][:, :n]
+            chains[i] += float((alive & weight).sum())
+    model.train()
+    positions = offered[0] or 1.0
+    accuracy = [c / o if o else 0.0 for c, o in zip(chains, offered)]  # P(depth d right | d-1 right)
+    return {"loss": loss_sum / max(n_batches, 1), "accuracy_per_depth": accuracy,
+            "tau_estimate": 1.0 + sum(c / positions for c in chains)}
+
+
+# -- the loop -------------------------------------------------------------------------------------
+
+
+def train(
+    target,
+    data_dir: str | Path,
+    out_dir: str | Path,
+    epochs: int = 4,
+    batch_size: int = 8,
+    grad_accum: int = 1,
+    lr: float = 1e-3,
+    warmup_steps: int = 50,
+    max_len: int = 512,
+    draft_vocab_size: int = 8192,
+    val_fraction: float = 0.05,
+    seed: int = 0,
+    resume: bool = True,
+    log=print,
+) -> dict:
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    from .train_data import load_conversations, read_manifest
+
+    data_dir, out_dir = Path(data_dir), Path(out_dir)
+    manifest = read_manifest(data_dir)
+    if manifest["target"]["hidden_size"] != target.hidden_size or manifest["target"]["vocab_size"] != target.vocab_size:
+        raise GumihoError(f"{data_dir} was made with {manifest['target']['name']}, not with {target.name}")
+    conversations = [c for c in load_conversations(data_dir) if len(c["input_ids"]) >= 8]
+    random.Random(seed).shuffle(conversations)
+    n_val = max(1, int(len(conversations) * val_fraction)) if len(conversations) > 1 else 0
+    val, train_set = conversations[:n_val], conversations[n_val:] or conversations
+
+    accelerator = Accelerator(gradient_accumulation_steps=grad_accum, cpu=not torch.cuda.is_available())
+    set_seed(seed)
+    state_dir = out_dir / "state"
+    progress_file = out_dir / "progress.json"
+    draft_vocab = frequent_tokens(train_set, min(draft_vocab_size, target.vocab_size), target.eos_token_ids)
+    heads = new_trainable_heads(target, draft_vocab, seed)
+    model = DraftTrainer(heads, target.embed_tokens.weight, target.lm_head.weight)
+    optimizer = torch.optim.AdamW(heads.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    steps_per_epoch = math.ceil(len(train_set) / batch_size / grad_accum)
+    total_steps = max(1, steps_per_epoch * epochs)
+
+    def schedule(step):  # linear warm-up, cosine decay to 10%
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+
+    start_epoch, history = 0, []
+    if resume and progress_file.is_file() and state_dir.is_dir():
+        progress = json.loads(progress_file.read_text())
+        accelerator.load_state(str(state_dir))
+        start_epoch, history = progress["epoch"], progress["history"]
+        log(f"resuming after epoch {start_epoch} (step {progress['step']})")
+
+    step = start_epoch * steps_per_epoch
+    hidden = target.hidden_size
+    for epoch in range(start_epoch, epochs):
+        started, losses = time.time(), []
+        for micro, batch in enumerate(batches(train_set, batch_size, max_len, seed, epoch)):
+            batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+            # Noise drawn from a generator seeded by position in the run: a resumed run
+            # draws exactly what an uninterrupted one would.
+            gen = torch.Generator().manual_seed(seed * 100_003 + epoch * 10_007 + micro)
+            noise = (torch.rand(batch["features"].shape, generator=gen) - 0.5) * NOISE_STD * 512 / hidden
+            with accelerator.accumulate(model):
+                loss = model(batch, noise=noise.to(accelerator.device))["loss"]
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), 0.5)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            losses.append(float(loss.detach()))
+            if accelerator.sync_gradients:
+                step += 1
+        metrics = evaluate(accelerator.unwrap_model(model), val, batch_size, max_len) if val else {}
+        entry = {"epoch": epoch + 1, "step": step, "train_loss": sum(losses) / max(len(losses), 1),
+                 "seconds": time.time() - started, **metrics}
+        history.append(entry)
+        acc = " ".join(f"d{i + 1} {a:.2f}" for i, a in enumerate(metrics.get("accuracy_per_depth", [])))
+        log(f"epoch {epoch + 1}/{epochs}: train loss {entry['train_loss']:.4f}, val loss {metrics.get('loss', 0):.4f}, "
+            f"accuracy {acc}, tau estimate {metrics.get('tau_estimate', 0):.2f} ({entry['seconds']:.0f} s)")
+        if accelerator.is_main_process:
+            heads_out = accelerator.unwrap_model(model).heads
+            HeadCheckpoint.save(heads_out, out_dir / "heads", training={
+                "data": str(data_dir), "conversations": len(train_set), "tokens": sum(len(c["input_ids"]) for c in train_set),
+                "epochs": epoch + 1, "lr": lr, "batch_size": batch_size, "history": history})
+            accelerator.save_state(str(state_dir))
+            progress_file.write_text(json.dumps({"epoch": epoch + 1, "step": step, "history": history}, indent=1))
+    return {"history": history, "heads": str(out_dir / "heads")}
+
+
+# -- command line ----------------------------------------------------------------------------------
+
+
+def register_cli(sub) -> None:
+    from .cli import add_model_args
+
+    p = sub.add_parser("train", help="train Gumiho heads on data made by train-data")
+    p.add_argument("--data", required=True, help="folder written by `train-data`")
+    p.add_argument("--out", required=True, help="run folder: heads/ each epoch, state/ for resuming")
+    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup-steps", type=int, default=50)
+    p.add_argument("--max-len", type=int, default=512)
+    p.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (most frequent tokens)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-resume", action="store_true", help="start over even if the run folder has a state")
+    p.add_argument("--threads", type=int, default=None)
+    add_model_args(p)
+    p.set_defaults(func=_cmd_train)
+
+
+def _cmd_train(args) -> int:
+    from .target import load_target
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target = load_target(args.model, dtype=args.dtype, quantize=args.quantize, device=args.device)
+    result = train(target, args.data, args.out, epochs=args.epochs, batch_size=args.batch_size,
+                   grad_accum=args.grad_accum, lr=args.lr, warmup_steps=args.warmup_steps, max_len=args.max_len,
+                   draft_vocab_size=args.draft_vocab, seed=args.seed, resume=not args.no_resume,
+                   log=lambda s: print(s, file=sys.stderr, flush=True))
+    print(f"heads written to {result['heads']}")
+    return 0

@@ -1,0 +1,84 @@
+"""Training: a tiny end-to-end run, falling loss, exact resume."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from gumiho_core import Engine, GenerationSettings, HeadCheckpoint, run_to_end
+from gumiho_core.train import train
+from gumiho_core.train_data import generate_dataset, load_conversations
+from tiny import random_prompts, tiny_target
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target(seed=0, eos=False)
+
+
+@pytest.fixture(scope="module")
+def data(target, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("data")
+    generate_dataset(target, folder, random_prompts(24, seed=3), max_new_tokens=32, batch_size=8,
+                     shard_size=12, mask="all", progress=False)
+    return folder
+
+
+def quiet(_):
+    pass
+
+
+def test_data_folder_holds_the_targets_own_answers(target, data):
+    conversations = load_conversations(data)
+    assert len(conversations) == 24
+    c = conversations[0]
+    with torch.no_grad():
+        feats = target.base(input_ids=c["input_ids"][None]).last_hidden_state[0]
+    torch.testing.assert_close(c["features"], feats, atol=2e-3, rtol=2e-3)  # stored as float16
+
+
+def test_tiny_run_gives_heads_that_load_and_decode_losslessly(target, data, tmp_path):
+    result = train(target, data, tmp_path / "run", epochs=2, batch_size=4, lr=3e-3, warmup_steps=2,
+                   draft_vocab_size=64, log=quiet)
+    heads = HeadCheckpoint.load(result["heads"], target)
+    assert heads.config.draft_vocab_size == len(heads.draft_vocab) <= 64
+    engine = Engine(target, heads)
+    for prompt in random_prompts(4, seed=50):
+        spec = run_to_end(engine, prompt, GenerationSettings(max_new_tokens=20))
+        plain = run_to_end(engine, prompt, GenerationSettings(max_new_tokens=20, speculative=False))
+        assert spec.token_ids == plain.token_ids
+    meta = json.loads((tmp_path / "run" / "heads" / "heads.json").read_text())
+    assert meta["training"]["epochs"] == 2 and len(meta["training"]["history"]) == 2
+
+
+def test_loss_falls(target, data, tmp_path):
+    # A random target's next-token distributions are nearly flat, so most of the
+    # cross-entropy is its entropy and cannot be learned away; the rest must go.
+    result = train(target, data, tmp_path / "run", epochs=6, batch_size=4, lr=3e-3, warmup_steps=2,
+                   draft_vocab_size=96, log=quiet)
+    losses = [h["train_loss"] for h in result["history"]]
+    assert losses[-1] < 0.92 * losses[0]
+    assert all(b < a for a, b in zip(losses, losses[1:]))
+    assert result["history"][-1]["loss"] < result["history"][0]["loss"]  # validation too
+
+
+def test_resume_continues_where_it_stopped(target, data, tmp_path):
+    args = dict(batch_size=4, lr=3e-3, warmup_steps=2, draft_vocab_size=64, log=quiet)
+    straight = train(target, data, tmp_path / "a", epochs=3, **args)
+
+    def killed_in_epoch_2(line):  # the run dies before epoch 2 is saved
+        if line.startswith("epoch 2/"):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train(target, data, tmp_path / "b", epochs=3, **{**args, "log": killed_in_epoch_2})
+    resumed = train(target, data, tmp_path / "b", epochs=3, **args)  # picks up after epoch 1
+    assert [h["epoch"] for h in resumed["history"]] == [1, 2, 3]
+    for a, b in zip(straight["history"], resumed["history"]):
+        assert a["step"] == b["step"]
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5)
+    wa = HeadCheckpoint.load(straight["heads"]).state_dict()
+    wb = HeadCheckpoint.load(resumed["heads"]).state_dict()
+    for name in wa:
+        torch.testing.assert_close(wa[name], wb[name], atol=1e-6, rtol=1e-5)
