@@ -44,15 +44,17 @@ NOISE_STD = 0.2  # uniform noise on input features, scaled by 512 / hidden as in
 
 
 def frequent_tokens(conversations: list[dict], size: int, always: set[int]) -> list[int]:
-    """The `size` most frequent answer tokens (plus `always`, e.g. EOS): the draft vocabulary."""
+    """The draft vocabulary: `always` (e.g. EOS), then the most frequent answer tokens, then
+    the lowest ids never seen (BPE vocabularies list frequent merges first)."""
     counts = Counter()
     for c in conversations:
         counts.update(c["input_ids"][c["loss_mask"]].tolist())
     ids = set(always)
-    for token, _ in counts.most_common():
+    ranked = [int(t) for t, _ in counts.most_common()]
+    for token in ranked + list(range(size + len(ranked))):
         if len(ids) >= size:
             break
-        ids.add(int(token))
+        ids.add(token)
     return sorted(ids)
 
 
@@ -202,7 +204,7 @@ def train(
     lr: float = 1e-3,
     warmup_steps: int = 50,
     max_len: int = 512,
-    draft_vocab_size: int = 8192,
+    draft_vocab_size: int = 4096,
     val_fraction: float = 0.05,
     seed: int = 0,
     resume: bool = True,
@@ -302,7 +304,7 @@ def register_cli(sub) -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup-steps", type=int, default=50)
     p.add_argument("--max-len", type=int, default=512)
-    p.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (most frequent tokens)")
+    p.add_argument("--draft-vocab", type=int, default=4096, help="draft vocabulary size (most frequent tokens)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-resume", action="store_true", help="start over even if the run folder has a state")
     p.add_argument("--threads", type=int, default=None)
