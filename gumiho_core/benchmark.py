@@ -172,6 +172,10 @@ def summarise(runs: dict[str, list[Run]], peaks: dict, mismatches: list) -> dict
             accepted = _sum_lists([r.stats["accepted_at_depth"] for r in rs])
             offered = _sum_lists([r.stats["offered_at_depth"] for r in rs])
             entry["acceptance_per_depth"] = [a / o if o else 0.0 for a, o in zip(accepted, offered)]
+            steps = max(1, passes - len(rs))  # decoding passes, prefills excluded
+            entry["draft_ms_per_step"] = sum(r.stats["draft_s"] for r in rs) / steps * 1e3
+            entry["verify_ms_per_step"] = sum(r.stats["verify_s"] for r in rs) / steps * 1e3
+            entry["ttft_ms_median"] = statistics.median(r.stats["ttft_s"] for r in rs) * 1e3
         out["methods"][method] = entry
     return out
 
@@ -195,6 +199,14 @@ def format_table(report: dict) -> str:
             tau = f" / {e['tau']:.2f}" if "tau" in e else ""
             cells.append(f"{e['speedup_vs_plain']:.2f}x{tau} ({e['tokens_per_s_median']:.1f} tok/s)")
         lines.append(f"| {m} | {' | '.join(cells)} | {statistics.mean(speedups):.2f}x |")
+    lines.append("")
+    for n in names:
+        for m in methods:
+            e = report["benchmarks"][n]["methods"][m]
+            if "draft_ms_per_step" in e:
+                lines.append(f"{n} {m}: draft {e['draft_ms_per_step']:.1f} ms/step, target pass "
+                             f"{e['verify_ms_per_step']:.1f} ms/step, ttft {e['ttft_ms_median']:.0f} ms, "
+                             f"peak {e['peak_memory_mb']:.0f} MB")
     acc = []
     for n in names:
         g = report["benchmarks"][n]["methods"].get("gumiho")
