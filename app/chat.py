@@ -5,11 +5,13 @@ they build prompts, apply settings and record answers the same way.
 """
 from __future__ import annotations
 
+import math
+import re
 import threading
 from dataclasses import dataclass, field
 from collections.abc import Iterator
 
-from gumiho_core import DoneEvent, GenerationSettings, GumihoError, SamplingSettings, StepEvent
+from gumiho_core import ContextTooLong, DoneEvent, GenerationSettings, GumihoError, SamplingSettings, StepEvent
 
 from .render import step_from_event
 from .store import Store
@@ -25,13 +27,91 @@ class Options:
     top_p: float = 1.0
     max_new_tokens: int = 256
 
+    def validate(self) -> None:
+        """One clear line (GumihoError) for a setting the engine would refuse."""
+        try:
+            temperature, top_p = float(self.temperature), float(self.top_p)
+        except (TypeError, ValueError):
+            raise GumihoError("temperature and top_p must be numbers") from None
+        if not (math.isfinite(temperature) and temperature >= 0):
+            raise GumihoError(f"temperature must be 0 or more (got {self.temperature})")
+        if not (math.isfinite(top_p) and 0 < top_p <= 1):
+            raise GumihoError(f"top_p must be more than 0 and at most 1 (got {self.top_p})")
+        try:
+            ok = float(self.max_new_tokens) == int(self.max_new_tokens) and int(self.max_new_tokens) >= 1
+        except (TypeError, ValueError, OverflowError):
+            ok = False
+        if not ok:
+            raise GumihoError(f"max new tokens must be a whole number, at least 1 (got {self.max_new_tokens})")
+
     def settings(self) -> GenerationSettings:
+        self.validate()
         return GenerationSettings(
             max_new_tokens=int(self.max_new_tokens),
             speculative=bool(self.speculative),
             sampling=SamplingSettings(temperature=float(self.temperature), top_p=float(self.top_p)),
-            on_overflow="truncate",  # a long chat drops its oldest turns rather than refusing
+            # ChatService.fit drops whole turns first; the engine must never cut a prompt mid-template.
+            on_overflow="error",
         )
+
+
+# C0 and C1 control characters except tab and newline; DEL; lone surrogates (undecodable bytes).
+_CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def clean_text(text) -> str:
+    """User text made safe for the tokenizer and the database: valid UTF-8, no control characters.
+
+    Bytes are decoded as UTF-8 with U+FFFD for what is not; CR / CRLF become newlines;
+    other control characters are removed; tab and newline stay.
+    """
+    if text is None:
+        return ""
+    if isinstance(text, (bytes, bytearray)):
+        text = bytes(text).decode("utf-8", errors="replace")
+    text = str(text).replace("\r\n", "\n").replace("\r", "\n")
+    text = _SURROGATE.sub("\ufffd", text)
+    return _CONTROL.sub("", text)
+
+
+class Turns:
+    """A first-come first-served queue for the one engine: who is generating, who waits.
+
+    `threading.Lock` is not fair and cannot say how many are ahead; this can, so the UI
+    shows "waiting: 1 ahead" and two clients are answered strictly one after the other.
+    """
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._queue: list[int] = []
+        self._next = 0
+
+    def join(self) -> int:
+        with self._cond:
+            ticket = self._next
+            self._next += 1
+            self._queue.append(ticket)
+            return ticket
+
+    def ahead(self, ticket: int) -> int:
+        with self._cond:
+            return self._queue.index(ticket) if ticket in self._queue else 0
+
+    def wait(self, ticket: int, timeout: float) -> bool:
+        """True once `ticket` is first in line; False after `timeout` seconds of waiting."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._queue[0] == ticket, timeout=timeout)
+
+    def leave(self, ticket: int) -> None:
+        with self._cond:
+            if ticket in self._queue:
+                self._queue.remove(ticket)
+            self._cond.notify_all()
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._queue)
 
 
 @dataclass
@@ -44,6 +124,8 @@ class Answer:
     finish_reason: str | None = None
     error: str | None = None
     done: bool = False
+    waiting: int = 0  # requests ahead of this one in the queue (0 once it is generating)
+    notice: str = ""  # e.g. which old turns were left out to fit the context
 
     def as_message(self) -> dict:
         return {"role": "assistant", "text": self.text, "steps": self.steps, "stats": self.stats,
@@ -56,6 +138,7 @@ class ChatService:
         self.store = store
         self.model_name = model_name
         self.heads_note = heads_note
+        self.turns = Turns()
 
     @property
     def has_heads(self) -> bool:
@@ -67,17 +150,71 @@ class ChatService:
         messages += [{"role": m["role"], "content": m["text"]} for m in history if m["role"] in ("user", "assistant")]
         return self.engine.target.chat_prompt(messages)
 
-    def stream(self, history: list[dict], options: Options, cancel: threading.Event | None = None) -> Iterator[Answer]:
+    def fit(self, system: str, history: list[dict], max_new_tokens: int) -> tuple[list[int], list[dict], int]:
+        """The prompt that fits the context: (prompt ids, history kept, turns dropped).
+
+        Whole turns go, oldest first; the system prompt and the latest user message always
+        stay. If even those do not fit, a ContextTooLong says what to shorten.
+        """
+        limit = self.engine.target.max_context
+        need = int(max_new_tokens)
+        kept = list(history)
+        dropped = 0
+        while True:
+            prompt = self.prompt_ids(system, kept)
+            if len(prompt) + need <= limit:
+                return prompt, kept, dropped
+            # The last user message and what follows it (nothing, or a partial answer) stay.
+            users = [i for i, m in enumerate(kept) if m["role"] == "user"]
+            last_user = users[-1] if users else len(kept) - 1
+            if last_user <= 0:
+                raise ContextTooLong(
+                    f"the message is too long for the model: {len(prompt)} prompt tokens + {need} new tokens "
+                    f"exceed its context of {limit} tokens. Shorten the message"
+                    + (" or the system prompt" if system.strip() else "") + " or lower max new tokens."
+                )
+            # Drop the oldest turn: a user message and the answers up to the next user message.
+            cut = next((i for i in users if i > 0), last_user)
+            dropped += 1
+            kept = kept[cut:]
+
+    def stream(self, history: list[dict], options: Options, cancel: threading.Event | None = None,
+               wait_timeout: float = 600.0) -> Iterator[Answer]:
         """Yield the growing Answer after each target pass; the last one has done=True.
 
-        Never raises for generation problems: a GumihoError (or any failure) ends the
-        answer with `error` set and whatever text came before it kept.
+        Requests are served one at a time, first come first served; while one waits, the
+        Answer it yields has `waiting` = how many are ahead. Never raises for generation
+        problems: a GumihoError (or any failure) ends the answer with `error` set and
+        whatever text came before it kept.
         """
         answer = Answer()
+        ticket = None
         try:
+            options.validate()
             if options.speculative and not self.has_heads:
                 raise GumihoError("speculative decoding needs draft heads, and none are loaded")
-            prompt = self.prompt_ids(options.system, history)
+            ticket = self.turns.join()
+            waited = 0.0
+            while not self.turns.wait(ticket, timeout=0.25):
+                waited += 0.25
+                if cancel is not None and cancel.is_set():
+                    answer.finish_reason = "cancelled"
+                    break
+                if waited >= wait_timeout:
+                    raise GumihoError(f"the model stayed busy for {wait_timeout:.0f} s; try again later")
+                ahead = self.turns.ahead(ticket)
+                if ahead != answer.waiting:
+                    answer.waiting = ahead
+                    yield answer
+            answer.waiting = 0
+            if answer.finish_reason == "cancelled":
+                raise _Cancelled
+            prompt, kept, dropped = self.fit(options.system, history, options.max_new_tokens)
+            if dropped:
+                total = len([m for m in history if m["role"] == "user"])
+                which = "turn 1" if dropped == 1 else f"turns 1–{dropped}"
+                answer.notice = (f"The conversation is longer than the model's context: the oldest {which} "
+                                 f"(of {total}) {'was' if dropped == 1 else 'were'} left out of the prompt.")
             for event in self.engine.generate(prompt, options.settings(), cancel=cancel):
                 if isinstance(event, StepEvent):
                     answer.steps.append(step_from_event(event))
@@ -87,10 +224,15 @@ class ChatService:
                     answer.text = event.text  # the engine's text honours stop strings exactly
                     answer.stats = event.stats.to_dict()
                     answer.finish_reason = event.finish_reason
+        except _Cancelled:
+            pass
         except GumihoError as exc:
-            answer.error, answer.finish_reason = str(exc), "error"
+            answer.error, answer.finish_reason = _one_line(str(exc)), "error"
         except Exception as exc:  # the app must survive a failing generation
-            answer.error, answer.finish_reason = f"generation failed: {type(exc).__name__}: {exc}", "error"
+            answer.error, answer.finish_reason = _one_line(f"generation failed: {type(exc).__name__}: {exc}"), "error"
+        finally:
+            if ticket is not None:
+                self.turns.leave(ticket)
         answer.done = True
         yield answer
 
@@ -110,6 +252,15 @@ class ChatService:
         plain = _last(self.stream(history, Options(**{**greedy.__dict__, "speculative": False})))
         gumiho = _last(self.stream(history, Options(**{**greedy.__dict__, "speculative": True})))
         return plain, gumiho
+
+
+class _Cancelled(Exception):
+    """Stopped while still waiting in the queue."""
+
+
+def _one_line(text: str) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= 500 else line[:497] + "…"
 
 
 def _last(answers: Iterator[Answer]) -> Answer:

@@ -6,16 +6,21 @@ Streaming follows OpenAI's server-sent events: `data: {chunk}` lines, then `data
 """
 from __future__ import annotations
 
+import base64
+import binascii
 import json
+import secrets
 import threading
 import time
 import uuid
 
-from fastapi import APIRouter, HTTPException
+from fastapi import APIRouter, Depends, HTTPException, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
-from .chat import ChatService, Options
+from gumiho_core import GumihoError
+
+from .chat import ChatService, Options, clean_text
 
 # The engine's reasons mapped to OpenAI's vocabulary.
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length", "cancelled": "stop"}
@@ -48,8 +53,31 @@ def _usage(stats: dict | None, prompt_tokens: int) -> dict:
     }
 
 
-def make_router(service: ChatService) -> APIRouter:
-    router = APIRouter()
+def _authorized(header: str, user: str, password: str) -> bool:
+    """HTTP basic `user:password`, or a bearer token equal to the password (or `user:password`)."""
+    scheme, _, value = header.partition(" ")
+    value = value.strip()
+    if scheme.lower() == "basic":
+        try:
+            value = base64.b64decode(value, validate=True).decode("utf-8")
+        except (binascii.Error, UnicodeDecodeError):
+            return False
+    elif scheme.lower() != "bearer":
+        return False
+    given_user, sep, given_password = value.partition(":")
+    if not sep:  # a bare bearer token is the password
+        given_user, given_password = user, value
+    ok_user = secrets.compare_digest(given_user.encode(), user.encode())
+    ok_password = secrets.compare_digest(given_password.encode(), password.encode())
+    return ok_user and ok_password
+
+
+def make_router(service: ChatService, auth: tuple[str, str] | None = None) -> APIRouter:
+    def check_auth(request: Request) -> None:
+        if auth and not _authorized(request.headers.get("authorization", ""), *auth):
+            raise HTTPException(401, "authentication required", headers={"WWW-Authenticate": 'Basic realm="gumiho-chat"'})
+
+    router = APIRouter(dependencies=[Depends(check_auth)])
 
     @router.get("/v1/models")
     def models() -> dict:
@@ -57,13 +85,21 @@ def make_router(service: ChatService) -> APIRouter:
 
     @router.post("/v1/chat/completions")
     def completions(req: ChatRequest):
-        system = "\n".join(m.content for m in req.messages if m.role == "system")
-        history = [{"role": m.role, "text": m.content} for m in req.messages if m.role in ("user", "assistant")]
-        if not history:
+        system = clean_text("\n".join(m.content for m in req.messages if m.role == "system"))
+        history = [{"role": m.role, "text": clean_text(m.content)} for m in req.messages
+                   if m.role in ("user", "assistant")]
+        if not any(m["role"] == "user" for m in history):
             raise HTTPException(400, "messages must contain at least one user message")
+        if not history[-1]["text"].strip():
+            raise HTTPException(400, "the last message is empty")
+        max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         opts = Options(system=system, speculative=req.speculative, temperature=req.temperature, top_p=req.top_p,
-                       max_new_tokens=req.max_completion_tokens or req.max_tokens or 256)
-        prompt_tokens = len(service.prompt_ids(system, history))
+                       max_new_tokens=256 if max_new is None else max_new)
+        try:
+            opts.validate()
+            prompt_tokens = len(service.fit(system, history, opts.max_new_tokens)[0])
+        except GumihoError as exc:
+            raise HTTPException(400, str(exc)) from None
         cid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
         base = {"id": cid, "created": created, "model": req.model or service.model_name}
 

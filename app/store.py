@@ -12,8 +12,10 @@ All SQL takes its values as parameters; writes happen inside transactions.
 """
 from __future__ import annotations
 
+import html
 import json
 import os
+import re
 import sqlite3
 import sys
 import threading
@@ -21,6 +23,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import sqlite_utils
+
+from gumiho_core import GumihoError
+
+
+class StoreError(GumihoError):
+    """The chat database cannot be used (corrupt, locked, too new); one line, file untouched."""
 
 
 def default_db_path() -> Path:
@@ -76,17 +84,56 @@ SCHEMA_VERSION = len(MIGRATIONS)
 class Store:
     """All reads and writes of the chat database. Safe to share between threads."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, timeout: float = 5.0):
         self.path = Path(path).expanduser()
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        # An existing file is checked read-only first: a corrupt one is reported, never rewritten.
+        if self.path.exists():
+            self._check_readable(timeout)
         # Gradio and uvicorn call us from worker threads; one connection guarded by a lock
         # is simpler than a pool and plenty for one local user.
-        conn = sqlite3.connect(str(self.path), check_same_thread=False)
-        self.db = sqlite_utils.Database(conn)
-        self.lock = threading.RLock()
-        self.db.execute("PRAGMA journal_mode=WAL")  # readers never wait for the writer
-        self.db.execute("PRAGMA foreign_keys=ON")
-        self.migrate()
+        try:
+            conn = sqlite3.connect(str(self.path), check_same_thread=False, timeout=timeout)
+            self.db = sqlite_utils.Database(conn)
+            self.lock = threading.RLock()
+            # A write lock held elsewhere shows now, as a clear error, not at the first message.
+            conn.execute("BEGIN IMMEDIATE")
+            conn.execute("ROLLBACK")
+            self.db.execute("PRAGMA journal_mode=WAL")  # readers never wait for the writer; crash-safe
+            self.db.execute("PRAGMA synchronous=FULL")  # a committed message survives a killed process
+            self.db.execute("PRAGMA foreign_keys=ON")
+            self.migrate()
+        except sqlite3.OperationalError as exc:
+            raise StoreError(self._explain(exc)) from None
+        except sqlite3.DatabaseError as exc:
+            raise StoreError(f"{self.path} is not a usable chat database ({exc}); it was left untouched. "
+                             "Move it away or pass --db another file.") from None
+
+    def _explain(self, exc: Exception) -> str:
+        if "locked" in str(exc) or "busy" in str(exc):
+            return (f"{self.path} is locked by another program (another gumiho-chat?); it was left untouched. "
+                    "Close that program or pass --db another file.")
+        return f"cannot open the chat database {self.path}: {exc}"
+
+    def _check_readable(self, timeout: float) -> None:
+        uri = "file:" + self.path.resolve().as_posix().replace("?", "%3f").replace("#", "%23") + "?mode=ro"
+        try:
+            probe = sqlite3.connect(uri, uri=True, timeout=timeout)
+        except sqlite3.Error as exc:
+            raise StoreError(self._explain(exc)) from None
+        try:
+            probe.execute("SELECT count(*) FROM sqlite_master").fetchone()
+            result = probe.execute("PRAGMA quick_check").fetchone()[0]
+            if result != "ok":
+                raise StoreError(f"{self.path} is damaged (integrity check: {result}); it was left untouched. "
+                                 "Move it away or pass --db another file.")
+        except sqlite3.OperationalError as exc:
+            raise StoreError(self._explain(exc)) from None
+        except sqlite3.DatabaseError as exc:
+            raise StoreError(f"{self.path} is not a chat database ({exc}); it was left untouched. "
+                             "Move it away or pass --db another file.") from None
+        finally:
+            probe.close()
 
     def close(self) -> None:
         self.db.conn.close()
@@ -99,7 +146,7 @@ class Store:
         with self.lock:
             version = self.version()
             if version > SCHEMA_VERSION:
-                raise RuntimeError(f"{self.path} was written by a newer gumiho-chat (schema {version})")
+                raise StoreError(f"{self.path} was written by a newer gumiho-chat (schema {version})")
             for step in range(version, SCHEMA_VERSION):
                 with self.db.atomic():  # each migration commits whole or not at all
                     MIGRATIONS[step](self.db)
@@ -215,12 +262,56 @@ class Store:
         session = self.session(session_id)
         if session is None:
             raise KeyError(session_id)
-        lines = [f"# {session['title']}", "", f"*{session['created']} · model {session['model'] or 'default'}*", ""]
+        # Raw HTML in a title or a message must stay text in whatever renders this file.
+        title = html.escape(" ".join(session["title"].split()), quote=False)
+        lines = [f"# {title}", "", f"*{session['created']} · model {html.escape(session['model'] or 'default')}*", ""]
         system = session["settings"].get("system")
         if system:
-            lines += ["**System:** " + system, ""]
+            lines += ["**System:** " + markdown_safe(system), ""]
         for m in self.messages(session_id):
             who = {"user": "User", "assistant": "Assistant"}.get(m["role"], m["role"])
             note = " *(stopped)*" if m["finish_reason"] in ("cancelled", "error") else ""
-            lines += [f"### {who}{note}", "", m["text"], ""]
+            lines += [f"### {html.escape(who)}{note}", "", markdown_safe(m["text"]), ""]
         return "\n".join(lines)
+
+
+_INLINE_CODE = re.compile(r"(`+)(?:.+?)\1", re.S)
+
+
+def markdown_safe(text: str) -> str:
+    """Markdown with its raw HTML escaped: outside code spans and fenced blocks, & < > become
+    entities (shown as typed by any renderer); code is left as written (it is never HTML there)."""
+    out, fenced = [], False
+    for line in text.split("\n"):
+        if line.lstrip().startswith(("```", "~~~")):
+            fenced = not fenced
+            out.append(line)
+        elif fenced:
+            out.append(line)
+        else:
+            parts, last = [], 0
+            for m in _INLINE_CODE.finditer(line):
+                parts.append(html.escape(line[last:m.start()], quote=False))
+                parts.append(m.group(0))
+                last = m.end()
+            parts.append(html.escape(line[last:], quote=False))
+            out.append("".join(parts))
+    return "\n".join(out)
+
+
+def safe_filename(title: str, limit: int = 40) -> str:
+    """A file name from a session title: ASCII letters, digits and dashes only, never empty.
+
+    "../../etc/x", "/abs/path", "C:\\x", NUL bytes and dot names cannot leave the folder.
+    """
+    name = re.sub(r"[^A-Za-z0-9]+", "-", title or "").strip("-")[:limit].strip("-")
+    return name or "session"
+
+
+def export_path(folder: str | Path, title: str, ext: str) -> Path:
+    """Where an export of `title` goes: always a direct child of `folder`."""
+    folder = Path(folder).resolve()
+    path = (folder / f"{safe_filename(title)}.{re.sub(r'[^a-z]', '', ext) or 'txt'}").resolve()
+    if path.parent != folder:  # cannot happen with safe_filename; checked anyway
+        raise ValueError(f"export path {path} is outside {folder}")
+    return path

@@ -16,7 +16,8 @@ import gradio as gr
 from gumiho_core import GumihoError
 
 from . import models, render
-from .chat import Answer, ChatService, Options
+from .chat import Answer, ChatService, Options, clean_text
+from .store import export_path
 
 # Stop buttons find the running generation by the browser session's hash.
 _cancels: dict[str, threading.Event] = {}
@@ -141,8 +142,13 @@ def build_ui(service: ChatService) -> gr.Blocks:
             answer = Answer()
             try:
                 for answer in service.stream(st["messages"], opts, cancel=cancel):
+                    if answer.waiting:
+                        note = f"*waiting: {answer.waiting} ahead…*"
+                        yield gr.skip(), st, "", note, gr.skip()
+                        continue
                     shown = st["messages"] + [answer.as_message()]
-                    yield render.chat_html(shown, view_name, rej), st, "", "*generating…*", gr.skip()
+                    note = f"*generating…* {render.esc(answer.notice)}".strip()
+                    yield render.chat_html(shown, view_name, rej), st, "", note, gr.skip()
             finally:
                 # Also reached when the browser goes away mid-answer: the partial text is kept.
                 _cancels.pop(key, None)
@@ -152,15 +158,33 @@ def build_ui(service: ChatService) -> gr.Blocks:
                         message["id"] = service.save_answer(st["session_id"], answer, opts.speculative)
                     st["messages"].append(message)
             note = f"**{render.esc(answer.error)}**" if answer.error else ""
+            if answer.error and answer.steps:
+                note += " The partial answer was saved."
+            if answer.notice:
+                note = f"{note} {render.esc(answer.notice)}".strip()
             yield (render.chat_html(st["messages"], view_name, rej), st, "", note,
                    gr.update(choices=_session_choices(service), value=st["session_id"]))
 
+        def checked_options(spec_on, system_text, temp, p, n):
+            """(Options, None) or (None, a one-line message for the status)."""
+            try:
+                opts = Options(system=clean_text(system_text), speculative=bool(spec_on), temperature=temp,
+                               top_p=p, max_new_tokens=n)
+                opts.validate()
+            except GumihoError as exc:
+                return None, f"**Settings: {render.esc(str(exc))}**"
+            opts.temperature, opts.top_p, opts.max_new_tokens = float(temp), float(p), int(n)
+            return opts, None
+
         def send(text, st, spec_on, system_text, temp, p, n, view_name, rej, request: gr.Request):
-            text = (text or "").strip()
+            text = clean_text(text).strip()
             if not text:
-                yield gr.skip(), st, gr.skip(), "", gr.skip()
+                yield gr.skip(), st, "", "Type a message first: an empty message is not sent.", gr.skip()
                 return
-            opts = options(spec_on, system_text, temp, p, n)
+            opts, problem = checked_options(spec_on, system_text, temp, p, n)
+            if problem:  # nothing stored; the message stays in the box
+                yield gr.skip(), st, gr.skip(), problem, gr.skip()
+                return
             ensure_session(st, text, opts)
             add_user(st, text)
             yield from stream_answer(st, opts, view_name, rej, request)
@@ -169,11 +193,14 @@ def build_ui(service: ChatService) -> gr.Blocks:
             if not st["messages"]:
                 yield gr.skip(), st, gr.skip(), "Nothing to regenerate.", gr.skip()
                 return
+            opts, problem = checked_options(spec_on, system_text, temp, p, n)
+            if problem:
+                yield gr.skip(), st, gr.skip(), problem, gr.skip()
+                return
             if st["messages"][-1]["role"] == "assistant":
                 dropped = st["messages"].pop()
                 if service.store and dropped.get("id"):
                     service.store.delete_messages([dropped["id"]])
-            opts = options(spec_on, system_text, temp, p, n)
             ensure_session(st, st["messages"][-1]["text"], opts)
             yield from stream_answer(st, opts, view_name, rej, request)
 
@@ -204,8 +231,11 @@ def build_ui(service: ChatService) -> gr.Blocks:
             return render.chat_html(st["messages"], view_name, rej)
 
         def compare(text, st, system_text, n, view_name, rej):
-            text = (text or "").strip()
-            opts = options(True, system_text, 0.0, 1.0, n)
+            text = clean_text(text).strip()
+            opts, problem = checked_options(True, system_text, 0.0, 1.0, n)
+            if problem:
+                yield gr.skip(), st, gr.skip(), problem, gr.skip(), ""
+                return
             if not service.has_heads:
                 yield gr.skip(), st, gr.skip(), "**Compare needs draft heads.**", gr.skip(), ""
                 return
@@ -245,9 +275,10 @@ def build_ui(service: ChatService) -> gr.Blocks:
             return render.chat_html(st["messages"], view_name, rej), st, "", system_text
 
         def rename(session_id, title, st):
-            if session_id is None or not (title or "").strip():
+            title = clean_text(title).replace("\n", " ").replace("\t", " ").strip()
+            if session_id is None or not title:
                 return gr.skip(), "Pick a session and type a title."
-            service.store.rename_session(int(session_id), title.strip())
+            service.store.rename_session(int(session_id), title[:200])
             return gr.update(choices=_session_choices(service), value=session_id), "Renamed."
 
         def delete(session_id, st, view_name, rej):
@@ -263,10 +294,14 @@ def build_ui(service: ChatService) -> gr.Blocks:
             if session_id is None:
                 return None
             row = service.store.session(int(session_id))
+            if row is None:
+                return None
+            text = service.store.export_json(row["id"]) if kind == "json" else service.store.export_markdown(row["id"])
+            if row is None:
+                return None
             text = service.store.export_json(row["id"]) if kind == "json" else service.store.export_markdown(row["id"])
             folder = Path(tempfile.mkdtemp(prefix="gumiho-export-"))
-            safe = "".join(c if c.isalnum() else "-" for c in row["title"])[:40] or "session"
-            path = folder / f"{safe}.{'json' if kind == 'json' else 'md'}"
+            path = export_path(folder, row["title"], "json" if kind == "json" else "md")
             path.write_text(text, encoding="utf-8")
             return str(path)
 
@@ -276,6 +311,9 @@ def build_ui(service: ChatService) -> gr.Blocks:
                 service.model_name = (path or "").strip() or "default"
             except GumihoError as exc:
                 return f"**error:** {render.esc(str(exc))}", gr.skip()
+            except Exception as exc:  # not a model, unreadable, mismatched: the old model stays
+                return (f"**error:** could not load {render.esc((path or '').strip() or 'the default model')}: "
+                        f"{render.esc(type(exc).__name__)}: {render.esc(' '.join(str(exc).split())[:300])}"), gr.skip()
             return _model_note(service), gr.update(value=service.has_heads)
 
         def stats_outputs():
@@ -283,15 +321,18 @@ def build_ui(service: ChatService) -> gr.Blocks:
             return _stats_frames(rows)
 
         private = {"api_visibility": "private"}
-        send_btn.click(send, gen_inputs, gen_outputs, **private)
-        msg.submit(send, gen_inputs, gen_outputs, **private)
-        regen_btn.click(regenerate, gen_inputs, gen_outputs, **private)
+        # No Gradio-side limit on generations: ChatService.turns queues them (UI and API
+        # together) and says "waiting: N ahead" to each tab.
+        queued = {**private, "concurrency_limit": None}
+        send_btn.click(send, gen_inputs, gen_outputs, **queued)
+        msg.submit(send, gen_inputs, gen_outputs, **queued)
+        regen_btn.click(regenerate, gen_inputs, gen_outputs, **queued)
         stop_btn.click(stop, None, status, concurrency_limit=None, **private)
         edit_btn.click(edit_last, [state, view, show_rej], [chat, state, msg, status], **private)
         clear_btn.click(clear, [view, show_rej], [chat, state, msg, status, sessions, compare_box], **private)
         new_btn.click(clear, [view, show_rej], [chat, state, msg, status, sessions, compare_box], **private)
         compare_btn.click(compare, [msg, state, system, max_new, view, show_rej],
-                          [chat, state, msg, status, sessions, compare_box], **private)
+                          [chat, state, msg, status, sessions, compare_box], **queued)
         view.change(redraw, [state, view, show_rej], chat, **private)
         show_rej.change(redraw, [state, view, show_rej], chat, **private)
         sessions.input(open_session, [sessions, view, show_rej], [chat, state, status, system], **private)
@@ -308,7 +349,10 @@ def build_ui(service: ChatService) -> gr.Blocks:
         def chat_api(message: str, system: str = "", speculative: bool = True, max_new_tokens: int = 128,
                      temperature: float = 0.0, top_p: float = 1.0) -> dict:
             """One answer to `message`: {"text", "finish_reason", "stats", "error"}."""
-            opts = Options(system=system, speculative=speculative, temperature=temperature, top_p=top_p,
+            message = clean_text(message).strip()
+            if not message:
+                return {"text": "", "finish_reason": "error", "stats": None, "error": "the message is empty"}
+            opts = Options(system=clean_text(system), speculative=speculative, temperature=temperature, top_p=top_p,
                            max_new_tokens=max_new_tokens)
             answer = None
             for answer in service.stream([{"role": "user", "text": message}], opts):
