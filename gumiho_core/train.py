@@ -289,6 +289,75 @@ def train(
     return {"history": history, "heads": str(out_dir / "heads")}
 
 
+# -- tiny heads for engine tests -------------------------------------------------------------------
+
+
+def train_tiny_heads(target, steps: int = 200, prompts: list[list[int]] | None = None, max_new_tokens: int = 48,
+                     lr: float = 1e-3, seed: int = 0) -> GumihoHeads:
+    """Heads that guess a tiny target well, for tests that need deep accepted paths (< 30 s).
+
+    A random target's greedy text is a function of its weights only, so no small data set
+    teaches it. Instead the serial head starts as a copy of the target's own decoder layers
+    (as many serial layers as the target has), with fc passing the token embedding through
+    scaled to unit RMS (our first layer has no input norm); shifted by one position that
+    computes nearly the target's next feature. A short self-distillation run then tunes it
+    and trains the MLP heads. Only for targets small enough to copy (tests).
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: extra threads only fight over a shared CPU
+    try:
+        return _train_tiny_heads(target, steps, prompts, max_new_tokens, lr, seed)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train_tiny_heads(target, steps, prompts, max_new_tokens, lr, seed) -> GumihoHeads:
+    import tempfile
+
+    from .heads import place
+    from .train_data import generate_dataset, load_conversations
+
+    base_state = target.base.state_dict()
+    torch.manual_seed(seed)
+    if prompts is None:
+        g = torch.Generator().manual_seed(seed)
+        vocab = target.vocab_size
+        prompts = [[1] + torch.randint(3, vocab, (int(torch.randint(3, 16, (1,), generator=g)),), generator=g).tolist()
+                   for _ in range(64)]
+    with tempfile.TemporaryDirectory() as folder:
+        generate_dataset(target, folder, prompts, max_new_tokens=max_new_tokens, batch_size=32, shard_size=len(prompts),
+                         mask="all", progress=False)
+        conversations = load_conversations(folder)
+
+    draft_vocab = list(range(target.vocab_size))
+    heads = new_trainable_heads(target, draft_vocab, seed, num_layers=target.config.num_hidden_layers)
+    h = target.hidden_size
+    with torch.no_grad():
+        rms = target.embed_tokens.weight.float().pow(2).mean(-1).sqrt().mean()
+        heads.fc.weight.zero_()
+        heads.fc.weight[:, :h] = torch.diag(base_state["layers.0.input_layernorm.weight"].float()) / rms
+        heads.fc.bias.zero_()
+        for i, layer in enumerate(heads.layers):
+            for name, param in layer.named_parameters():
+                param.copy_(base_state[f"layers.{i}.{name}"].float())
+
+    model = DraftTrainer(heads, target.embed_tokens.weight, target.lm_head.weight)
+    optimizer = torch.optim.AdamW(heads.parameters(), lr=lr, betas=(0.9, 0.95))
+    step, epoch = 0, 0
+    while step < steps:
+        for batch in batches(conversations, 8, 512, seed, epoch):
+            loss = model(batch)["loss"]
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(heads.parameters(), 0.5)
+            optimizer.step()
+            optimizer.zero_grad()
+            step += 1
+            if step >= steps:
+                break
+        epoch += 1
+    return place(heads, target)
+
+
 # -- command line ----------------------------------------------------------------------------------
 
 
