@@ -1,0 +1,508 @@
+"""Issue 6: bad input, faults, concurrency, security — on tiny random models, no browser.
+
+The Gradio handlers are called directly (found in `demo.fns` by name), so the same code
+the browser runs is exercised without one; tests/test_server_process.py and
+tests/test_browser_reliability.py do the same through real processes and chromium.
+"""
+import base64
+import json
+import os
+import re
+import sqlite3
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+import tiny
+from app import ui
+from app.chat import ChatService, Options, clean_text
+from app.server import create_app, parse_auth
+from app.store import Store, StoreError, export_path, markdown_safe, safe_filename
+from gumiho_core import ContextTooLong, Engine, GumihoError, new_heads
+
+ROOT = Path(__file__).resolve().parent.parent
+BAD_CONTROL = "a\x00b\x01c\x07d\x1be\x7ff\x85g\u0090h"
+
+
+@pytest.fixture(scope="module")
+def engine():
+    target = tiny.tiny_target(eos=False)
+    return Engine(target, new_heads(target))
+
+
+@pytest.fixture
+def service(engine, tmp_path):
+    return ChatService(engine, Store(tmp_path / "chat.db"), model_name="tiny", heads_note="untrained")
+
+
+def handler(demo, name):
+    """A handler of the Blocks by its name, also when it is wrapped in a lambda."""
+    for f in demo.fns.values():
+        if getattr(f.fn, "__name__", "") == name:
+            return f.fn
+        for var, cell in zip(getattr(f.fn, "__code__", None) and f.fn.__code__.co_freevars or (),
+                             getattr(f.fn, "__closure__", None) or ()):
+            if var == name:
+                return cell.cell_contents
+    raise LookupError(name)
+
+
+def run(gen):
+    out = None
+    for out in gen:
+        pass
+    return out
+
+
+def last(iterator):
+    item = None
+    for item in iterator:
+        pass
+    return item
+
+
+def status_of(outputs) -> str:
+    return outputs[3] if isinstance(outputs[3], str) else ""
+
+
+SETTINGS = dict(spec_on=True, system_text="", temp=0.0, p=1.0, n=8, view_name="colours", rej=False, request=None)
+
+
+def send(demo, st, text, **kw):
+    return run(handler(demo, "send")(text, st, **{**SETTINGS, **kw}))
+
+
+def reference(engine, text, n=8):
+    """The single-user greedy answer, plain decoding on a fresh service."""
+    return last(ChatService(engine, None).stream([{"role": "user", "text": text}],
+                                                 Options(speculative=False, max_new_tokens=n))).text
+
+
+# -- 1. bad input ---------------------------------------------------------------------------------
+def test_clean_text_strips_controls_and_bad_bytes():
+    assert clean_text(BAD_CONTROL) == "abcdefgh"
+    assert clean_text("tab\tnew\nline\r\nend\rx") == "tab\tnew\nline\nend\nx"
+    assert clean_text(b"ok \xff\xfe bytes") == "ok \ufffd\ufffd bytes"
+    assert clean_text("lone \ud800 surrogate") == "lone \ufffd surrogate"
+    assert clean_text(None) == ""
+    assert clean_text("w5 héllo 日本 🦊") == "w5 héllo 日本 🦊"
+
+
+BAD_SETTINGS = [  # (temperature, top_p, max new tokens, word in the message)
+    (-0.1, 1.0, 8, "temperature"), (float("nan"), 1.0, 8, "temperature"), (float("inf"), 1.0, 8, "temperature"),
+    (0.0, 0.0, 8, "top_p"), (0.0, -1.0, 8, "top_p"), (0.0, 1.5, 8, "top_p"), (0.0, float("nan"), 8, "top_p"),
+    (0.0, 1.0, 0, "max new tokens"), (0.0, 1.0, -5, "max new tokens"), (0.0, 1.0, 2.5, "max new tokens"),
+    ("hot", 1.0, 8, "number"), (0.0, 1.0, "many", "max new tokens"),
+]
+
+
+@pytest.mark.parametrize("temperature,top_p,n,word", BAD_SETTINGS)
+def test_invalid_settings_are_one_clear_line(service, temperature, top_p, n, word):
+    opts = Options(temperature=temperature, top_p=top_p, max_new_tokens=n)
+    with pytest.raises(GumihoError, match=word) as info:
+        opts.validate()
+    assert "\n" not in str(info.value)
+    final = last(service.stream([{"role": "user", "text": "w5"}], opts))
+    assert final.finish_reason == "error" and word in final.error and not final.steps
+
+
+def test_ui_empty_and_invalid_input_store_nothing(service):
+    demo = ui.build_ui(service)
+    st = ui._new_state()
+    for text in ("", "   ", "\n\t \n", "\x00\x01\x7f", None):
+        out = send(demo, st, text)
+        assert "empty message is not sent" in status_of(out)
+    for temp, p, n, word in BAD_SETTINGS[:10]:
+        out = send(demo, st, "w5 w6", temp=temp, p=p, n=n)
+        assert word in status_of(out) and out[2] is not None  # the message stays in the box (gr.skip)
+    assert st == ui._new_state() and service.store.sessions() == []
+    # Control characters are removed before storing; the answer comes and is saved.
+    out = send(demo, st, "w5" + BAD_CONTROL + " w6")
+    rows = service.store.messages(st["session_id"])
+    assert [r["role"] for r in rows] == ["user", "assistant"] and rows[0]["text"] == "w5abcdefgh w6"
+    assert rows[1]["finish_reason"] == "length"
+
+
+def test_long_history_drops_oldest_turns_and_says_which(engine, tmp_path):
+    target = tiny.tiny_target(eos=False, max_positions=64)
+    small = ChatService(Engine(target, new_heads(target)), Store(tmp_path / "c.db"))
+    history = []
+    for i in range(6):  # 6 turns of ~12 tokens each: far over 64 with 8 new tokens
+        history += [{"role": "user", "text": " ".join(f"w{3 + (i * 7 + j) % 90}" for j in range(6))},
+                    {"role": "assistant", "text": "w9 w9 w9 w9 w9"}]
+    history.append({"role": "user", "text": "w40 w41 w42"})
+    prompt, kept, dropped = small.fit("w7 w8", history, 8)
+    assert dropped >= 1 and len(prompt) + 8 <= 64
+    assert kept[-1] == history[-1] and kept == history[-len(kept):] and kept[0]["role"] == "user"
+    assert small.prompt_ids("w7 w8", kept)[:len(small.prompt_ids("w7 w8", []))] == small.prompt_ids("w7 w8", [])
+    final = last(small.stream(history, Options(system="w7 w8", max_new_tokens=8)))
+    assert final.error is None and final.stats["new_tokens"] == 8
+    assert f"turns 1–{dropped} (of 7)" in final.notice or (dropped == 1 and "turn 1 (of 7)" in final.notice)
+    # Through the UI: the note is in the status line after the answer.
+    demo = ui.build_ui(small)
+    st = {"session_id": None, "messages": [dict(m) for m in history[:-1]]}
+    out = send(demo, st, "w40 w41 w42", system_text="w7 w8")
+    assert "left out of the prompt" in status_of(out) and st["messages"][-1]["finish_reason"] == "length"
+    # One message longer than the whole context: a clear message, nothing generated.
+    huge = " ".join(["w5"] * 80)
+    with pytest.raises(ContextTooLong, match="too long"):
+        small.fit("", [{"role": "user", "text": huge}], 8)
+    out = send(demo, ui._new_state(), huge)
+    assert "the message is too long for the model" in status_of(out)
+    assert "Shorten the message" in status_of(out)
+
+
+def test_api_bad_input(engine, tmp_path):
+    client = TestClient(create_app(engine, tmp_path / "api.db", model_name="tiny"))
+    url = "/v1/chat/completions"
+    user = [{"role": "user", "content": "w5 w6"}]
+    bad = [
+        ({"messages": []}, "user message"),
+        ({"messages": [{"role": "system", "content": "w4"}]}, "user message"),
+        ({"messages": [{"role": "user", "content": "   "}]}, "empty"),
+        ({"messages": user, "temperature": -1}, "temperature"),
+        ({"messages": user, "top_p": 0}, "top_p"),
+        ({"messages": user, "top_p": 1.01}, "top_p"),
+        ({"messages": user, "max_tokens": 0}, "max new tokens"),
+        ({"messages": user, "max_completion_tokens": -3}, "max new tokens"),
+        ({"messages": [{"role": "user", "content": " ".join(["w5"] * 600)}], "max_tokens": 4}, "too long"),
+    ]
+    for body, word in bad:
+        r = client.post(url, json=body)
+        assert r.status_code == 400 and word in r.json()["detail"], (body, r.text)
+    assert client.post(url, json={"messages": "nope"}).status_code == 422
+    assert client.post(url, content=b"\xff\xfe{not json", headers={"content-type": "application/json"}).status_code in (400, 422)
+    # Control characters and a lone surrogate (what undecodable bytes become) are answered.
+    raw = '{"messages": [{"role": "user", "content": "w5\\u0000\\u001b w6 \\ud800"}], "max_tokens": 4}'
+    r = client.post(url, content=raw.encode(), headers={"content-type": "application/json"})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    # A long conversation is answered with its oldest turns dropped.
+    long_chat = [{"role": "user" if i % 2 == 0 else "assistant", "content": " ".join(["w7"] * 60)} for i in range(15)]
+    r = client.post(url, json={"messages": long_chat, "max_tokens": 4})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] + 4 <= 512
+
+
+def test_bad_model_and_heads_paths_keep_the_app_running(service, tmp_path):
+    from gumiho_core import HeadCheckpoint
+
+    demo = ui.build_ui(service)
+    load = handler(demo, "load_model")
+    not_model = tmp_path / "not-a-model"
+    not_model.mkdir()
+    (not_model / "notes.txt").write_text("hello")
+    garbage = tmp_path / "garbage"
+    garbage.mkdir()
+    (garbage / "config.json").write_bytes(os.urandom(200))  # unreadable as JSON
+    bin_file = tmp_path / "weights.bin"
+    bin_file.write_bytes(os.urandom(300))
+    fake_gguf = tmp_path / "model.gguf"
+    fake_gguf.write_bytes(b"GGUF" + os.urandom(300))
+    # Heads trained for another model (hidden size 32, not 64): a mismatch, not a crash.
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    wide = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1)).eval()
+    other = tiny.Target(model=wide, tokenizer=tiny.tiny_tokenizer(), name="wide")
+    mismatched = HeadCheckpoint.save(new_heads(other), tmp_path / "heads-32")
+    heads_garbage = tmp_path / "heads-garbage"
+    heads_garbage.mkdir()
+    (heads_garbage / "config.json").write_text("{\"not\": \"heads\"}")
+    before = service.engine
+    tried = [
+        ("/no/such/model", ""), (str(not_model), ""), (str(garbage), ""), (str(bin_file), ""), (str(fake_gguf), ""),
+        ("", "/no/such/heads"), ("", str(heads_garbage)), ("", str(bin_file)), ("", str(mismatched)),
+    ]
+    for path, heads in tried:
+        note, _ = load(path, heads, ui._new_state())
+        assert note.startswith("**error:**") and "\n" not in note and "Traceback" not in note, (path, heads, note)
+        assert service.engine is before
+    out = send(demo, ui._new_state(), "still alive")
+    assert out[1]["messages"][-1]["finish_reason"] == "length"
+
+
+# -- 2. faults ------------------------------------------------------------------------------------
+def test_stop_mid_step_leaves_engine_clean(service):
+    want = reference(service.engine, "w20 w21", n=30)
+    forward = service.engine.target.base.forward
+    for delay in (0.0, 0.003, 0.01, 0.03):
+        cancel = threading.Event()
+        calls = {"n": 0}
+
+        def slow_forward(*a, **k):  # the Stop lands while a forward pass is running
+            calls["n"] += 1
+            if calls["n"] == 3:
+                threading.Timer(delay, cancel.set).start()
+                time.sleep(delay + 0.02)
+            return forward(*a, **k)
+
+        service.engine.target.base.forward = slow_forward
+        try:
+            final = last(service.stream([{"role": "user", "text": "w3 w4"}], Options(max_new_tokens=200), cancel=cancel))
+        finally:
+            del service.engine.target.base.forward
+        assert final.finish_reason == "cancelled" and 0 < final.stats["new_tokens"] < 200
+        assert not service.engine.lock.locked() and len(service.turns) == 0
+        again = last(service.stream([{"role": "user", "text": "w20 w21"}], Options(max_new_tokens=30)))
+        assert again.text == want and again.error is None
+
+
+def test_exception_inside_a_step_saves_partial_and_next_works(service):
+    demo = ui.build_ui(service)
+    st = ui._new_state()
+    send(demo, st, "w5 w6 w7")  # an earlier turn, so the fault is mid-conversation
+    want = reference(service.engine, "w30 w31", n=8)
+    forward = service.engine.target.base.forward
+    for fault_at, exc in ((4, RuntimeError("CUDA out of memory")), (2, ValueError("bad tensor")),
+                          (6, MemoryError())):
+        calls = {"n": 0}
+
+        def broken(*a, **k):
+            calls["n"] += 1
+            if calls["n"] == fault_at:
+                raise exc
+            return forward(*a, **k)
+
+        service.engine.target.base.forward = broken
+        try:
+            out = send(demo, st, "w8 w9", n=40)
+        finally:
+            del service.engine.target.base.forward
+        assert "generation failed" in status_of(out) and "partial answer was saved" in status_of(out)
+        stored = service.store.messages(st["session_id"])[-1]
+        assert stored["role"] == "assistant" and stored["finish_reason"] == "error" and stored["text"]
+        assert not service.engine.lock.locked()
+        out = send(demo, ui._new_state(), "w30 w31")
+        assert out[1]["messages"][-1]["text"] == want
+    roles = [m["role"] for m in service.store.messages(st["session_id"])]
+    assert roles == ["user", "assistant"] * 4
+
+
+def test_corrupt_database_is_reported_and_left_untouched(tmp_path):
+    for name, content in (("random.db", os.urandom(8192)),
+                          ("header.db", b"SQLite format 3\x00" + os.urandom(4080)),
+                          ("text.db", b"just some notes\n" * 50)):
+        path = tmp_path / name
+        path.write_bytes(content)
+        with pytest.raises(StoreError, match="left untouched") as info:
+            Store(path)
+        assert "\n" not in str(info.value)
+        assert path.read_bytes() == content
+        assert not Path(str(path) + "-wal").exists() or Path(str(path) + "-wal").stat().st_size == 0
+
+
+def test_locked_database_is_reported_and_left_untouched(tmp_path):
+    path = tmp_path / "chat.db"
+    store = Store(path)
+    sid = store.create_session("keep me")
+    store.add_message(sid, "user", "w5")
+    store.close()
+    before = path.read_bytes()
+    other = sqlite3.connect(path, isolation_level=None)
+    other.execute("BEGIN EXCLUSIVE")  # another program holds the write lock
+    try:
+        with pytest.raises(StoreError, match="locked"):
+            Store(path, timeout=0.2)
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+    assert path.read_bytes() == before
+    assert [m["text"] for m in Store(path).messages(sid)] == ["w5"]
+
+
+def test_serve_refuses_a_corrupt_database_with_one_line(tmp_path, monkeypatch, capsys):
+    import gumiho_core.cli
+    from gumiho_core.cli import main
+
+    loaded = []
+    monkeypatch.setattr(gumiho_core.cli, "load_engine", lambda args: loaded.append(1))
+    path = tmp_path / "bad.db"
+    content = os.urandom(5000)
+    path.write_bytes(content)
+    assert main(["serve", "--db", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and "left untouched" in err[-1] and not loaded
+    assert path.read_bytes() == content
+
+
+# -- 3. concurrency -------------------------------------------------------------------------------
+def test_two_clients_are_served_in_order_with_positions(service):
+    prompts = ["w10 w11", "w40 w41 w42", "w60", "w70 w71"]
+    want = {p: reference(service.engine, p, n=25) for p in prompts}
+    forward = service.engine.target.base.forward
+    active, overlap = [0], [False]
+    seen: dict[str, list] = {p: [] for p in prompts}
+    results = {}
+
+    def counted(*a, **k):
+        return forward(*a, **k)
+
+    def client(p):
+        for answer in service.stream([{"role": "user", "text": p}], Options(max_new_tokens=25)):
+            if answer.waiting:
+                seen[p].append(answer.waiting)
+            elif not answer.done:
+                active[0] += 1 if len(answer.steps) == 1 else 0
+        results[p] = answer.text
+
+    # Hold the queue with one slow answer so the others must wait behind it.
+    gate = threading.Event()
+    first_started = threading.Event()
+
+    def first():
+        for answer in service.stream([{"role": "user", "text": prompts[0]}], Options(max_new_tokens=25)):
+            first_started.set()
+            gate.wait(5)
+        results[prompts[0]] = answer.text
+
+    threads = [threading.Thread(target=first)]
+    threads[0].start()
+    assert first_started.wait(10)
+    for p in prompts[1:]:
+        threads.append(threading.Thread(target=client, args=(p,)))
+        threads[-1].start()
+        time.sleep(0.3)  # join the queue in this order
+    time.sleep(0.5)
+    assert service.turns.ahead(max(service.turns._queue)) == 3  # the last one sees 3 ahead
+    gate.set()
+    for t in threads:
+        t.join(30)
+    assert results == want  # every answer equals its single-user answer: nothing interleaved
+    assert seen[prompts[1]][0] == 1 and seen[prompts[2]][0] == 2 and seen[prompts[3]][0] == 3
+    assert all(s == sorted(s, reverse=True) for s in seen.values())  # positions only go down
+    assert len(service.turns) == 0
+
+
+def test_stop_while_waiting_leaves_the_queue(service):
+    cancel = threading.Event()
+    gate = threading.Event()
+    started = threading.Event()
+
+    def holder():
+        for _ in service.stream([{"role": "user", "text": "w5"}], Options(max_new_tokens=10)):
+            started.set()
+            gate.wait(5)
+
+    t = threading.Thread(target=holder)
+    t.start()
+    started.wait(10)
+    waiter = service.stream([{"role": "user", "text": "w6"}], Options(max_new_tokens=10), cancel=cancel)
+    first = next(waiter)
+    assert first.waiting == 1
+    cancel.set()
+    final = last(waiter)
+    assert final.done and final.finish_reason == "cancelled" and not final.steps
+    gate.set()
+    t.join(10)
+    assert len(service.turns) == 0
+
+
+# -- 4. security ----------------------------------------------------------------------------------
+HOSTILE_TITLES = ["../../etc/x", "/etc/passwd", "..", ".", "a/../../b", "C:\\Windows\\x", "nul\x00byte/../../x",
+                  "~/.ssh/id", "\u202e..\u2215..\u2215x", "con", "", "   ", '<img src=x onerror="alert(1)">']
+
+
+def test_export_names_stay_in_the_folder(tmp_path):
+    folder = tmp_path / "exports"
+    folder.mkdir()
+    for title in HOSTILE_TITLES:
+        for ext in ("json", "md", "../../sh"):
+            path = export_path(folder, title, ext)
+            assert path.parent == folder.resolve(), (title, path)
+            assert re.fullmatch(r"[A-Za-z0-9-]+\.[a-z]+", path.name), path.name
+    assert safe_filename("Renamed chat") == "Renamed-chat" and safe_filename("../..") == "session"
+
+
+def test_exports_through_the_ui_escape_html_and_stay_in_folder(service, tmp_path):
+    demo = ui.build_ui(service)
+    export = handler(demo, "export")
+    for title in HOSTILE_TITLES[:9] + [HOSTILE_TITLES[-1]]:
+        sid = service.store.create_session(title)
+        service.store.add_message(sid, "user", '<script>alert(1)</script> and `a<b` code')
+        service.store.add_message(sid, "assistant", '<img src=x onerror=alert(2)>\n```\nif a < b: pass\n```')
+        for kind in ("json", "md"):
+            path = Path(export(sid, kind))
+            assert path.exists() and path.parent.name.startswith("gumiho-export-")
+            assert re.fullmatch(r"[A-Za-z0-9-]+\.(json|md)", path.name)
+            text = path.read_text()
+            if kind == "md":
+                assert "<img" not in text and "<script" not in text and "&lt;img src=x" in text
+                assert "`a<b`" in text and "if a < b: pass" in text  # code stays as written
+            else:
+                assert json.loads(text)["session"]["title"] == title
+    assert markdown_safe("x <b>y</b>") == "x &lt;b&gt;y&lt;/b&gt;"
+
+
+def test_sql_is_only_built_from_parameters():
+    """No f-string / % / .format SQL in app/: the one f-string PRAGMA formats our own int."""
+    sql_call = re.compile(r"\.(execute|executescript|query)\(\s*(f[\"']|[\"'][^\"']*[\"']\s*(%|\.format))")
+    offenders = []
+    for source in (ROOT / "app").glob("*.py"):
+        for n, line in enumerate(source.read_text().splitlines(), 1):
+            if sql_call.search(line) and "PRAGMA user_version = {int(" not in line:
+                offenders.append(f"{source.name}:{n}: {line.strip()}")
+    assert offenders == []
+
+
+def test_hostile_text_is_data_in_the_database(tmp_path):
+    store = Store(tmp_path / "c.db")
+    evil = "x'); DROP TABLE messages; --"
+    sid = store.create_session(evil)
+    store.add_message(sid, "user", evil)
+    store.rename_session(sid, evil + "2")
+    assert store.session(sid)["title"] == evil + "2" and store.messages(sid)[0]["text"] == evil
+
+
+def test_auth_protects_ui_and_api(engine, tmp_path):
+    app = create_app(engine, tmp_path / "auth.db", model_name="tiny", auth=("ann", "s3cret"))
+    client = TestClient(app)
+    body = {"messages": [{"role": "user", "content": "w5"}], "max_tokens": 3}
+    url = "/v1/chat/completions"
+    basic = lambda u, p: {"Authorization": "Basic " + base64.b64encode(f"{u}:{p}".encode()).decode()}
+    for headers in ({}, basic("ann", "wrong"), basic("bob", "s3cret"), {"Authorization": "Bearer nope"},
+                    {"Authorization": "Basic !!!"}, {"Authorization": "Digest x"}):
+        r = client.post(url, json=body, headers=headers)
+        assert r.status_code == 401 and "WWW-Authenticate" in r.headers, headers
+        assert client.get("/v1/models", headers=headers).status_code == 401
+    for headers in (basic("ann", "s3cret"), {"Authorization": "Bearer s3cret"}, {"Authorization": "Bearer ann:s3cret"}):
+        assert client.post(url, json=body, headers=headers).status_code == 200
+    # Gradio: the config and the API refuse without a login, work after one.
+    assert client.get("/config").status_code == 401
+    assert client.post("/login", data={"username": "ann", "password": "bad"}).status_code >= 400
+    assert client.post("/login", data={"username": "ann", "password": "s3cret"}).status_code == 200
+    assert client.get("/config").status_code == 200
+    # Without auth the local app stays open.
+    open_client = TestClient(create_app(engine, tmp_path / "open.db", model_name="tiny"))
+    assert open_client.post(url, json=body).status_code == 200
+
+
+def test_auth_option_and_env(monkeypatch, tmp_path, capsys):
+    import uvicorn
+
+    import gumiho_core.cli
+    from gumiho_core.cli import build_parser
+
+    assert parse_auth("a:b:c") == ("a", "b:c") and parse_auth(None) is None
+    for bad in ("nocolon", ":pass", "user:"):
+        with pytest.raises(GumihoError, match="USER:PASSWORD"):
+            parse_auth(bad)
+    target = tiny.tiny_target()
+    monkeypatch.setattr(gumiho_core.cli, "load_engine", lambda args: (Engine(target, new_heads(target)), "untrained"))
+    apps = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: apps.append((app, kw)))
+    args = build_parser().parse_args(["serve", "--host", "0.0.0.0", "--db", str(tmp_path / "a.db"), "--auth", "u:p"])
+    args.func(args)
+    assert "asks for a login" in capsys.readouterr().err
+    monkeypatch.setenv("GUMIHO_AUTH", "envuser:envpass")
+    args = build_parser().parse_args(["serve", "--db", str(tmp_path / "b.db")])
+    args.func(args)
+    client = TestClient(apps[-1][0])
+    assert client.get("/v1/models").status_code == 401
+    assert client.get("/v1/models", headers={"Authorization": "Bearer envpass"}).status_code == 200
+    monkeypatch.delenv("GUMIHO_AUTH")
+    args = build_parser().parse_args(["serve", "--host", "192.168.1.4", "--db", str(tmp_path / "c.db")])
+    args.func(args)
+    assert "--auth USER:PASSWORD" in capsys.readouterr().err
+    assert all(kw["host"] in ("0.0.0.0", "127.0.0.1", "192.168.1.4") for _, kw in apps)
