@@ -60,11 +60,35 @@ def frequent_tokens(conversations: list[dict], size: int, always: set[int]) -> l
 
 def batches(conversations: list[dict], batch_size: int, max_len: int, seed: int, epoch: int):
     """Right-padded batches in an order fixed by (seed, epoch), so a resumed run sees the same data."""
-    order = list(range(len(conversations)))
-    random.Random(seed * 1000 + epoch).shuffle(order)
+    order = list(EpochOrder(len(conversations), seed, epoch))
     for start in range(0, len(order), batch_size):
         chunk = [conversations[i] for i in order[start : start + batch_size]]
         yield collate(chunk, max_len)
+
+
+class EpochOrder(torch.utils.data.Sampler):
+    """A shuffle fixed by (seed, epoch): a resumed run sees the same data in the same order."""
+
+    def __init__(self, n: int, seed: int, epoch: int = 0):
+        self.n, self.seed, self.epoch = n, seed, epoch
+
+    def set_epoch(self, epoch: int) -> None:  # accelerate's prepared loader forwards this
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        order = list(range(self.n))
+        random.Random(self.seed * 1000 + self.epoch).shuffle(order)
+        return iter(order)
+
+
+def data_loader(conversations: list[dict], batch_size: int, max_len: int, seed: int):
+    """A DataLoader, so accelerate can shard it across processes and knows where an epoch ends."""
+    return torch.utils.data.DataLoader(
+        conversations, batch_size=batch_size, sampler=EpochOrder(len(conversations), seed),
+        collate_fn=lambda chunk: collate(chunk, max_len))
 
 
 def collate(chunk: list[dict], max_len: int) -> dict:
@@ -232,7 +256,9 @@ def train(
     heads = new_trainable_heads(target, draft_vocab, seed)
     model = DraftTrainer(heads, target.embed_tokens.weight, target.lm_head.weight)
     optimizer = torch.optim.AdamW(heads.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
-    steps_per_epoch = math.ceil(len(train_set) / batch_size / grad_accum)
+    # Each process reads its share of the batches; an epoch ends with an optimizer step.
+    loader = data_loader(train_set, batch_size, max_len, seed)
+    steps_per_epoch = math.ceil(math.ceil(len(loader) / accelerator.num_processes) / grad_accum)
     total_steps = max(1, steps_per_epoch * epochs)
 
     def schedule(step):  # linear warm-up, cosine decay to 10%
@@ -242,7 +268,7 @@ def train(
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    model, optimizer, scheduler, loader = accelerator.prepare(model, optimizer, scheduler, loader)
 
     start_epoch, history = 0, []
     if resume and progress_file.is_file() and state_dir.is_dir():
@@ -255,11 +281,12 @@ def train(
     hidden = target.hidden_size
     for epoch in range(start_epoch, epochs):
         started, losses = time.time(), []
-        for micro, batch in enumerate(batches(train_set, batch_size, max_len, seed, epoch)):
-            batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+        loader.set_epoch(epoch)
+        for micro, batch in enumerate(loader):
             # Noise drawn from a generator seeded by position in the run: a resumed run
             # draws exactly what an uninterrupted one would.
-            gen = torch.Generator().manual_seed(seed * 100_003 + epoch * 10_007 + micro)
+            rank = accelerator.process_index
+            gen = torch.Generator().manual_seed(seed * 100_003 + epoch * 10_007 + micro + rank * 1_000_003)
             noise = (torch.rand(batch["features"].shape, generator=gen) - 0.5) * NOISE_STD * 512 / hidden
             with accelerator.accumulate(model):
                 loss = model(batch, noise=noise.to(accelerator.device))["loss"]
@@ -279,13 +306,14 @@ def train(
         acc = " ".join(f"d{i + 1} {a:.2f}" for i, a in enumerate(metrics.get("accuracy_per_depth", [])))
         log(f"epoch {epoch + 1}/{epochs}: train loss {entry['train_loss']:.4f}, val loss {metrics.get('loss', 0):.4f}, "
             f"accuracy {acc}, tau estimate {metrics.get('tau_estimate', 0):.2f} ({entry['seconds']:.0f} s)")
+        accelerator.save_state(str(state_dir))  # every process: RNG files per rank, sharded optimizers
         if accelerator.is_main_process:
             heads_out = accelerator.unwrap_model(model).heads
             HeadCheckpoint.save(heads_out, out_dir / "heads", training={
                 "data": str(data_dir), "conversations": len(train_set), "tokens": sum(len(c["input_ids"]) for c in train_set),
                 "epochs": epoch + 1, "lr": lr, "batch_size": batch_size, "history": history})
-            accelerator.save_state(str(state_dir))
             progress_file.write_text(json.dumps({"epoch": epoch + 1, "step": step, "history": history}, indent=1))
+        accelerator.wait_for_everyone()
     return {"history": history, "heads": str(out_dir / "heads")}
 
 
