@@ -1,0 +1,216 @@
+"""Issue 6 in a real browser (Debian's chromium via Playwright) and real server processes.
+
+* SIGKILL of the server mid-answer: no earlier message lost, the SQLite file opens and checks ok.
+* Two tabs at once: the second shows "waiting: 1 ahead", both answers equal their single-user answers.
+* Hostile session titles / model text: never run as HTML, in the page or in the exports.
+* --auth: the UI asks for a login.
+"""
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from test_browser_chat import ARGS, CHROMIUM, free_port, send, set_max_new_tokens, wait_http
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"{CHROMIUM} missing: run `make browser`"),
+]
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        yield b
+        b.close()
+
+
+def new_page(browser):
+    context = browser.new_context(viewport={"width": 1300, "height": 1000})
+    page = context.new_page()
+    page.set_default_timeout(60_000)
+    return page
+
+
+def answers_with_stats(page, n: int) -> None:
+    page.wait_for_function(f"() => document.querySelectorAll('#chat-log .msg.assistant .stats').length >= {n}")
+
+
+def test_sigkill_mid_answer_loses_no_earlier_message(browser, tmp_path):
+    db = tmp_path / "chat.db"
+    port = free_port()
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "tests/serve_tiny.py", "--port", str(port), "--db", str(db),
+                             "--slow", "0.2"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/", timeout=120, proc=proc)
+        page = new_page(browser)
+        page.goto(f"http://127.0.0.1:{port}/")
+        page.wait_for_selector("#legend")
+        set_max_new_tokens(page, 4)
+        send(page, "w5 w6 first")
+        answers_with_stats(page, 1)
+        send(page, "w7 w8 second")
+        answers_with_stats(page, 2)
+        set_max_new_tokens(page, 400)
+        send(page, "w9 w10 third")
+        page.wait_for_function("() => document.querySelectorAll('#chat-log .msg.assistant').length == 3"
+                               " && document.querySelectorAll('#chat-log .msg.assistant')[2].querySelector('.tok')")
+        os.kill(proc.pid, signal.SIGKILL)  # mid-answer: the third answer is still streaming
+        proc.wait(timeout=10)
+        assert proc.returncode == -signal.SIGKILL
+        page.context.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+
+    conn = sqlite3.connect(db)
+    assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    conn.close()
+    from app.store import Store
+
+    store = Store(db)
+    [session] = store.sessions()
+    rows = store.messages(session["id"])
+    assert [(r["role"], r["text"]) for r in rows[:3]] == [("user", "w5 w6 first"), ("assistant", rows[1]["text"]),
+                                                          ("user", "w7 w8 second")]
+    assert rows[1]["text"] and rows[1]["finish_reason"] == "length" and rows[3]["finish_reason"] == "length"
+    assert rows[4] == {**rows[4], "role": "user", "text": "w9 w10 third"}  # sent before the kill: kept
+    assert len(rows) == 5  # the answer in flight is the only thing not there
+    assert len(store.stats(session["id"])) == 2
+    # The app starts again on that file and can write to it.
+    sid = store.create_session("after the crash")
+    store.add_message(sid, "user", "w11")
+    store.close()
+
+
+@pytest.fixture(scope="module")
+def inproc(tmp_path_factory):
+    """An in-process app on a tiny engine that sleeps after each step."""
+    import uvicorn
+
+    import tiny
+    from app.server import create_app
+    from gumiho_core import Engine, new_heads
+
+    target = tiny.tiny_target(eos=False)
+    engine = Engine(target, new_heads(target))
+    real = engine.generate
+
+    def slow_generate(*a, **k):
+        for event in real(*a, **k):
+            yield event
+            time.sleep(0.1)
+
+    engine.generate = slow_generate
+    folder = tmp_path_factory.mktemp("inproc")
+    servers = []
+
+    def start(**kw):
+        app = create_app(engine, folder / f"chat{len(servers)}.db", model_name="tiny", **kw)
+        port = free_port()
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        wait_http(f"http://127.0.0.1:{port}/v1/models", timeout=60) if not kw.get("auth") else time.sleep(2)
+        servers.append((server, thread))
+        return f"http://127.0.0.1:{port}/", app.state.service
+
+    yield start, real
+    for server, thread in servers:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def test_two_tabs_are_queued_with_position_and_never_interleave(browser, inproc):
+    from app.chat import ChatService, Options
+
+    start, real = inproc
+    url, service = start()
+    want = {"w20 w21 tab a": None, "w50 w51 tab b": None}
+    # Single-user answers, one at a time, through the same service (greedy, lossless).
+    for text in want:
+        answer = None
+        for answer in service.stream([{"role": "user", "text": text}],
+                                     Options(system="You are a helpful assistant.", max_new_tokens=30)):
+            pass
+        want[text] = answer.text
+    a, b = new_page(browser), new_page(browser)
+    for page in (a, b):
+        page.goto(url)
+        page.wait_for_selector("#legend")
+        set_max_new_tokens(page, 30)
+    send(a, "w20 w21 tab a")
+    a.wait_for_function("() => document.querySelector('#chat-log .msg.assistant .tok')")
+    send(b, "w50 w51 tab b")
+    b.wait_for_function("() => document.querySelector('#status').innerText.includes('waiting: 1 ahead')", polling=50)
+    answers_with_stats(a, 1)
+    answers_with_stats(b, 1)
+    stored = {s["title"]: service.store.messages(s["id"]) for s in service.store.sessions()}
+    for text in want:
+        [user, answer] = stored[text]
+        assert user["text"] == text and answer["text"] == want[text] and answer["finish_reason"] == "length"
+    for page in (a, b):
+        page.context.close()
+
+
+def test_hostile_titles_and_exports_in_the_browser(browser, inproc):
+    start, _ = inproc
+    url, service = start()
+    page = new_page(browser)
+    page.goto(url)
+    page.wait_for_selector("#legend")
+    set_max_new_tokens(page, 3)
+    title = '<img src=x onerror="window.pwned=1"> ../../etc/x'
+    send(page, title + "\x00\x07")
+    answers_with_stats(page, 1)
+    assert title in page.locator("#chat-log").inner_text()
+    entry = page.locator("#session-list label", has_text="onerror")
+    entry.wait_for()
+    entry.click()
+    for button, name in (("Export JSON", "img-src-x-onerror-window-pwned-1-etc-x.json"),
+                         ("Export Markdown", "img-src-x-onerror-window-pwned-1-etc-x.md")):
+        page.get_by_role("button", name=button).click()
+        link = page.locator(f'#export-file a[download="{name}"]')
+        link.wait_for()
+        text = page.request.get(link.get_attribute("href")).text()
+        assert "window.pwned" in text and (name.endswith(".json") or "<img" not in text)
+    # Rename to a hostile path: stored as text, shown as text.
+    page.locator("#rename-box textarea, #rename-box input").first.fill('/etc/passwd<script>window.pwned=2</script>')
+    page.get_by_role("button", name="Rename").click()
+    page.locator("#session-list label", has_text="/etc/passwd").wait_for()
+    assert page.evaluate("() => window.pwned") is None
+    assert page.locator("#session-list img, #session-list script, #chat-log img").count() == 0
+    page.context.close()
+
+
+def test_auth_login_in_the_browser(browser, inproc):
+    start, _ = inproc
+    url, _ = start(auth=("ann", "s3cret"))
+    page = new_page(browser)
+    page.goto(url)
+    page.locator("input[type=password]").wait_for()
+    assert page.locator("#legend").count() == 0
+    page.locator("input").first.fill("ann")
+    page.locator("input[type=password]").fill("wrong")
+    page.get_by_role("button", name="Login").click()
+    page.wait_for_timeout(1000)
+    assert page.locator("#legend").count() == 0
+    page.locator("input").first.fill("ann")
+    page.locator("input[type=password]").fill("s3cret")
+    page.get_by_role("button", name="Login").click()
+    page.wait_for_selector("#legend")
+    page.context.close()
