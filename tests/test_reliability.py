@@ -506,3 +506,15 @@ def test_auth_option_and_env(monkeypatch, tmp_path, capsys):
     args.func(args)
     assert "--auth USER:PASSWORD" in capsys.readouterr().err
     assert all(kw["host"] in ("0.0.0.0", "127.0.0.1", "192.168.1.4") for _, kw in apps)
+
+
+def test_serve_with_a_broken_model_is_one_line(tmp_path, capsys):
+    from gumiho_core.cli import main
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "llama", "vocab_size": "many"}')
+    for model in ("/no/such/model", str(broken)):
+        assert main(["serve", "--model", model, "--db", str(tmp_path / "c.db")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1].startswith("error: ") and "Traceback" not in "\n".join(err), err
