@@ -174,6 +174,9 @@ def test_hostile_titles_and_exports_in_the_browser(browser, inproc):
     page.goto(url)
     page.wait_for_selector("#legend")
     set_max_new_tokens(page, 3)
+    send(page, "   \n\t  ")  # an empty message: a hint, nothing sent
+    page.wait_for_function("() => document.querySelector('#status').innerText.includes('empty message is not sent')")
+    assert page.locator("#chat-log .msg").count() == 0
     title = '<img src=x onerror="window.pwned=1"> ../../etc/x'
     send(page, title + "\x00\x07")
     answers_with_stats(page, 1)
