@@ -386,6 +386,27 @@ def _train_tiny_heads(target, steps, prompts, max_new_tokens, lr, seed) -> Gumih
     return place(heads, target)
 
 
+# -- shipping -------------------------------------------------------------------------------------
+
+
+def export_heads(source: str | Path, dest: str | Path, dtype: str = "float16") -> Path:
+    """Copy a heads checkpoint with its float weights stored in float16/bfloat16.
+
+    The default model's heads are ~19M parameters: 78 MB in float32, over the 50 MB the
+    repository ships. Loading casts back (load_state_dict copies into float32 parameters;
+    `place` then moves them to the target's dtype); the draft vocabulary stays int64.
+    """
+    import copy
+
+    dtypes = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+    if dtype not in dtypes:
+        raise GumihoError(f"unknown dtype {dtype!r}: use float16, bfloat16 or float32")
+    heads = HeadCheckpoint.load(source)
+    _, training = HeadCheckpoint.read_config(source)
+    compact = copy.deepcopy(heads).to(dtypes[dtype])  # Module.to(dtype) leaves integer buffers alone
+    return HeadCheckpoint.save(compact, dest, training={**training, "stored_dtype": dtype, "exported_from": str(source)})
+
+
 # -- command line ----------------------------------------------------------------------------------
 
 
@@ -407,6 +428,12 @@ def register_cli(sub) -> None:
     p.add_argument("--threads", type=int, default=None)
     add_model_args(p)
     p.set_defaults(func=_cmd_train)
+
+    e = sub.add_parser("export-heads", help="copy a heads checkpoint with float16 weights (for shipping)")
+    e.add_argument("source", help="heads folder, e.g. RUN/heads")
+    e.add_argument("dest", help="output folder, e.g. assets/heads/smollm2-135m-instruct")
+    e.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
+    e.set_defaults(func=lambda args: print(f"wrote {export_heads(args.source, args.dest, args.dtype)}") or 0)
 
 
 def _cmd_train(args) -> int:
