@@ -62,7 +62,7 @@ def browser():
 def page(browser):
     context = browser.new_context(viewport={"width": 1400, "height": 1100})
     page = context.new_page()
-    page.set_default_timeout(60_000)
+    page.set_default_timeout(120_000)  # a wait, not a timing check: CI may be busy
     yield page
     context.close()
 
