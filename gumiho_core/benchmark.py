@@ -123,6 +123,9 @@ def benchmark(
 ) -> dict:
     """Run every method on every prompt, interleaved. Returns the JSON-able report."""
     target = engine.target
+    # Every method pays for its own prefill: no KV cache carried over from the method
+    # that ran the same prompt just before.
+    engine.reuse_prefix = False
     encoded = {
         name: [target.chat_prompt([{"role": "user", "content": p}]) for p in prompts]
         for name, prompts in prompt_sets.items()
