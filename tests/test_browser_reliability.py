@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from test_browser_chat import ARGS, CHROMIUM, free_port, send, set_max_new_tokens, wait_http
+from test_browser_chat import CHROMIUM, browser, free_port, send, set_max_new_tokens, wait_http  # noqa: F401
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -24,16 +24,6 @@ pytestmark = [
     pytest.mark.browser,
     pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"{CHROMIUM} missing: run `make browser`"),
 ]
-
-
-@pytest.fixture(scope="module")
-def browser():
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-        yield b
-        b.close()
 
 
 def new_page(browser):

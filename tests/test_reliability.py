@@ -23,19 +23,10 @@ from app.server import create_app, parse_auth
 from app.store import Store, StoreError, export_path, markdown_safe, safe_filename
 from gumiho_core import ContextTooLong, Engine, GumihoError, new_heads
 
+from test_app_chat import engine, service  # noqa: E402,F401  (shared fixtures: tiny engine, chat service)
+
 ROOT = Path(__file__).resolve().parent.parent
 BAD_CONTROL = "a\x00b\x01c\x07d\x1be\x7ff\x85g\u0090h"
-
-
-@pytest.fixture(scope="module")
-def engine():
-    target = tiny.tiny_target(eos=False)
-    return Engine(target, new_heads(target))
-
-
-@pytest.fixture
-def service(engine, tmp_path):
-    return ChatService(engine, Store(tmp_path / "chat.db"), model_name="tiny", heads_note="untrained")
 
 
 def handler(demo, name):
