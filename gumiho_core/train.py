@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from tqdm import tqdm
 
 from .errors import GumihoError
 from .heads import GumihoHeads, HeadCheckpoint, HeadConfig, causal_mask
@@ -67,10 +68,16 @@ def batches(conversations: list[dict], batch_size: int, max_len: int, seed: int,
 
 
 class EpochOrder(torch.utils.data.Sampler):
-    """A shuffle fixed by (seed, epoch): a resumed run sees the same data in the same order."""
+    """A shuffle fixed by (seed, epoch): a resumed run sees the same data in the same order.
 
-    def __init__(self, n: int, seed: int, epoch: int = 0):
+    Given the conversations' lengths, batches are made of similar lengths (sorted within
+    windows of 16 batches, then the batches shuffled): right padding to the longest row
+    otherwise wastes about a third of the compute on chat data.
+    """
+
+    def __init__(self, n: int, seed: int, epoch: int = 0, lengths: list[int] | None = None, batch_size: int = 1):
         self.n, self.seed, self.epoch = n, seed, epoch
+        self.lengths, self.batch_size = lengths, batch_size
 
     def set_epoch(self, epoch: int) -> None:  # accelerate's prepared loader forwards this
         self.epoch = epoch
@@ -79,15 +86,27 @@ class EpochOrder(torch.utils.data.Sampler):
         return self.n
 
     def __iter__(self):
+        rng = random.Random(self.seed * 1000 + self.epoch)
         order = list(range(self.n))
-        random.Random(self.seed * 1000 + self.epoch).shuffle(order)
+        rng.shuffle(order)
+        if self.lengths is not None and self.batch_size > 1 and self.n:
+            bs, window = self.batch_size, self.batch_size * 16
+            groups = []
+            for start in range(0, self.n, window):
+                chunk = sorted(order[start : start + window], key=lambda i: self.lengths[i])
+                groups += [chunk[k : k + bs] for k in range(0, len(chunk), bs)]
+            tail = [groups.pop()] if len(groups[-1]) < bs else []  # a short batch stays last
+            rng.shuffle(groups)
+            order = [i for g in groups + tail for i in g]
         return iter(order)
 
 
 def data_loader(conversations: list[dict], batch_size: int, max_len: int, seed: int):
     """A DataLoader, so accelerate can shard it across processes and knows where an epoch ends."""
+    lengths = [min(len(c["input_ids"]), max_len) for c in conversations]
     return torch.utils.data.DataLoader(
-        conversations, batch_size=batch_size, sampler=EpochOrder(len(conversations), seed),
+        conversations, batch_size=batch_size,
+        sampler=EpochOrder(len(conversations), seed, lengths=lengths, batch_size=batch_size),
         collate_fn=lambda chunk: collate(chunk, max_len))
 
 
@@ -144,7 +163,9 @@ class DraftTrainer(nn.Module):
         mlp_out = heads.parallel(pair)  # (heads, b, t-3, h)
 
         predictions = [(g, 1), (g2, 2)] + [(mlp_out[j, :, : t - 3 - j], 3 + j) for j in range(mlp_out.shape[0])]
-        with torch.no_grad():
+        # The teacher's side in float32 even under bf16 autocast: its argmax is what the
+        # target would pick, and rounding it would blur the soft labels.
+        with torch.no_grad(), torch.autocast(f.device.type, enabled=False):
             target_logp = torch.log_softmax(f @ self.head_weight.T, dim=-1)  # (b, t, V')
             target_token = (f @ self.full_head_weight.T).argmax(-1) if measure else None
         losses, metrics = [], {}
@@ -232,6 +253,7 @@ def train(
     val_fraction: float = 0.05,
     seed: int = 0,
     resume: bool = True,
+    mixed_precision: str = "no",
     log=print,
 ) -> dict:
     from accelerate import Accelerator
@@ -248,6 +270,8 @@ def train(
     n_val = max(1, int(len(conversations) * val_fraction)) if len(conversations) > 1 else 0
     val, train_set = conversations[:n_val], conversations[n_val:] or conversations
 
+    if mixed_precision not in ("no", "bf16"):
+        raise GumihoError(f"mixed_precision must be 'no' or 'bf16' (got {mixed_precision!r})")
     accelerator = Accelerator(gradient_accumulation_steps=grad_accum, cpu=not torch.cuda.is_available())
     set_seed(seed)
     state_dir = out_dir / "state"
@@ -282,14 +306,21 @@ def train(
     for epoch in range(start_epoch, epochs):
         started, losses = time.time(), []
         loader.set_epoch(epoch)
-        for micro, batch in enumerate(loader):
+        bar = tqdm(loader, desc=f"epoch {epoch + 1}/{epochs}", unit="batch", leave=False,
+                   disable=not accelerator.is_main_process or log is not _stderr)
+        for micro, batch in enumerate(bar):
             # Noise drawn from a generator seeded by position in the run: a resumed run
             # draws exactly what an uninterrupted one would.
             rank = accelerator.process_index
             gen = torch.Generator().manual_seed(seed * 100_003 + epoch * 10_007 + micro + rank * 1_000_003)
             noise = (torch.rand(batch["features"].shape, generator=gen) - 0.5) * NOISE_STD * 512 / hidden
+            # bf16 autocast of the heads' matmuls: ~1.6x faster on a CPU with AVX512-BF16 (and
+            # on GPUs); parameters and optimizer state stay float32, so no loss scaling is needed.
+            # (Our own autocast, not Accelerator(mixed_precision=...): accelerate keeps that
+            # setting process-wide, so a second run in one process could not change it.)
             with accelerator.accumulate(model):
-                loss = model(batch, noise=noise.to(accelerator.device))["loss"]
+                with torch.autocast(accelerator.device.type, dtype=torch.bfloat16, enabled=mixed_precision == "bf16"):
+                    loss = model(batch, noise=noise.to(accelerator.device))["loss"]
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(model.parameters(), 0.5)
@@ -297,6 +328,7 @@ def train(
                 scheduler.step()
                 optimizer.zero_grad()
             losses.append(float(loss.detach()))
+            bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}", refresh=False)
             if accelerator.sync_gradients:
                 step += 1
         metrics = evaluate(accelerator.unwrap_model(model), val, batch_size, max_len) if val else {}
@@ -425,6 +457,8 @@ def register_cli(sub) -> None:
     p.add_argument("--draft-vocab", type=int, default=4096, help="draft vocabulary size (most frequent tokens)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-resume", action="store_true", help="start over even if the run folder has a state")
+    p.add_argument("--mixed-precision", default="no", choices=["no", "bf16"],
+                   help="autocast the matmuls (bf16: faster on CPUs with AVX512-BF16 and on GPUs)")
     p.add_argument("--threads", type=int, default=None)
     add_model_args(p)
     p.set_defaults(func=_cmd_train)
@@ -436,6 +470,10 @@ def register_cli(sub) -> None:
     e.set_defaults(func=lambda args: print(f"wrote {export_heads(args.source, args.dest, args.dtype)}") or 0)
 
 
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 def _cmd_train(args) -> int:
     from .target import load_target
 
@@ -445,6 +483,6 @@ def _cmd_train(args) -> int:
     result = train(target, args.data, args.out, epochs=args.epochs, batch_size=args.batch_size,
                    grad_accum=args.grad_accum, lr=args.lr, warmup_steps=args.warmup_steps, max_len=args.max_len,
                    draft_vocab_size=args.draft_vocab, seed=args.seed, resume=not args.no_resume,
-                   log=lambda s: print(s, file=sys.stderr, flush=True))
+                   mixed_precision=args.mixed_precision, log=_stderr)
     print(f"heads written to {result['heads']}")
     return 0

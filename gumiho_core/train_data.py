@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import json
 import os
-import random
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .errors import GumihoError
+from .prompts import builtin_prompts
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -40,129 +40,8 @@ BENCH_NAMES = {"mt_bench.jsonl", "humaneval.jsonl", "gsm8k.jsonl"}
 
 
 # ---------------------------------------------------------------------------------------
-# Prompts: a deterministic generator of varied requests, and a JSONL reader
+# Prompts: the built-in generator lives in prompts.py; here, the user's JSONL file
 # ---------------------------------------------------------------------------------------
-
-TOPICS = [
-    "the ocean", "volcanoes", "honey bees", "the Roman Empire", "black holes", "coffee", "chess",
-    "climate change", "the human heart", "electric cars", "the Moon", "photosynthesis", "jazz",
-    "the printing press", "rainforests", "sleep", "vaccines", "the internet", "pyramids",
-    "recycling", "earthquakes", "penguins", "solar energy", "the French Revolution", "bread baking",
-    "friendship", "time management", "learning a language", "gardening", "running a marathon",
-    "the stock market", "artificial intelligence", "public libraries", "bicycles", "rivers",
-    "dinosaurs", "the immune system", "music practice", "city parks", "the Silk Road",
-    "glaciers", "video games", "tea ceremonies", "mountain hiking", "robots", "owls",
-    "the water cycle", "ancient Egypt", "remote work", "healthy breakfasts",
-]
-AUDIENCES = ["a child", "a teenager", "a busy adult", "a beginner", "an expert", "my grandmother"]
-FORMS = ["a short poem", "a haiku", "a short story", "a limerick", "a diary entry", "a speech",
-         "a product description", "a letter", "a dialogue between two friends", "a news headline and lede"]
-TONES = ["funny", "serious", "inspiring", "calm", "dramatic", "friendly"]
-CODE_TASKS = [
-    "reverses a string", "checks whether a number is prime", "computes the nth Fibonacci number",
-    "counts the words in a sentence", "removes duplicates from a list while keeping order",
-    "finds the largest element of a list", "converts Celsius to Fahrenheit", "merges two sorted lists",
-    "checks whether a string is a palindrome", "flattens a nested list", "computes a factorial",
-    "returns the most common character in a string", "sorts a list of dictionaries by a key",
-    "parses a date string like 2024-03-01", "implements binary search", "reads a CSV file and sums a column",
-    "validates an email address with a regular expression", "computes the greatest common divisor",
-    "transposes a matrix", "implements a simple stack class",
-]
-LANGUAGES = ["Python", "JavaScript", "C", "Java", "Rust", "Go", "SQL", "Bash"]
-NAMES = ["Ana", "Ben", "Chloe", "David", "Emma", "Farid", "Grace", "Hiro", "Ines", "Jonas", "Kofi", "Lena"]
-ITEMS = [("apples", 3), ("pencils", 2), ("stickers", 1), ("books", 12), ("cupcakes", 4), ("marbles", 1),
-         ("tickets", 15), ("notebooks", 5), ("oranges", 2), ("toy cars", 7)]
-PASSAGES = [
-    "The city council met on Tuesday to discuss a new bike lane on Main Street. Supporters said it would "
-    "make cycling safer and cut traffic, while some shop owners worried about losing parking spaces. "
-    "The council agreed to run a six-month trial before making a final decision.",
-    "Researchers found that people who took a short walk after lunch reported feeling more focused in the "
-    "afternoon. The study followed 200 office workers for eight weeks. The effect was strongest for those "
-    "who walked outdoors rather than indoors.",
-    "Our team finished the quarter with sales up 12 percent, mostly thanks to the new online store. "
-    "Shipping delays hurt customer reviews in March, but a new warehouse partner fixed the problem in April. "
-    "Next quarter we plan to expand into two new regions.",
-    "The library will close for renovations from June to August. During that time, books can be returned "
-    "at the community center, and the children's reading club will meet in the park on Saturday mornings. "
-    "The renovated library will have a larger study area and a new computer lab.",
-    "A small bakery in the village started using solar panels last year. Its energy bills fell by almost half, "
-    "and the owner used the savings to hire another baker. Other shops on the street are now considering "
-    "doing the same.",
-]
-FOLLOW_UPS = ["Can you make it shorter?", "Now explain it in simpler words.", "Give me one more example.",
-              "Can you turn that into a list of three bullet points?", "What is the most important point?",
-              "Rewrite it in a more formal tone.", "Why is that?", "Thanks! Can you add a short conclusion?"]
-
-
-def builtin_prompts(n: int, seed: int = 0) -> list[list[str]]:
-    """`n` conversations, each a list of user turns, from templates over varied fillers.
-
-    Deterministic for a given seed, so a resumed run sees the same list in the same order.
-    """
-    rng = random.Random(seed)
-    makers = [_chat, _writing, _coding, _math, _summary, _factual, _multi_turn]
-    return [makers[i % len(makers)](rng) for i in range(n)]
-
-
-def _chat(rng) -> list[str]:
-    topic = rng.choice(TOPICS)
-    return [rng.choice([
-        f"Hi! I'm curious about {topic}. What should I know?",
-        f"Can you give me some tips about {topic}?",
-        f"What do you think is the most interesting thing about {topic}?",
-        f"I have to talk about {topic} tomorrow and I'm nervous. Any advice?",
-        f"Explain {topic} to {rng.choice(AUDIENCES)}.",
-        f"What are the pros and cons of {rng.choice(['working from home', 'living in a big city', 'owning a dog', 'studying abroad', 'waking up early', 'social media'])}?",
-        f"How can I get better at {rng.choice(['cooking', 'public speaking', 'drawing', 'saving money', 'writing', 'focusing'])}?",
-    ])]
-
-
-def _writing(rng) -> list[str]:
-    return [f"Write {rng.choice(FORMS)} about {rng.choice(TOPICS)}. Make it {rng.choice(TONES)}."]
-
-
-def _coding(rng) -> list[str]:
-    lang, task = rng.choice(LANGUAGES), rng.choice(CODE_TASKS)
-    return [rng.choice([
-        f"Write a {lang} function that {task}.",
-        f"How do I write code in {lang} that {task}? Please explain the steps.",
-        f"Write a {lang} function that {task}, with a short example of using it.",
-    ])]
-
-
-def _math(rng) -> list[str]:
-    a, b = rng.sample(NAMES, 2)
-    (item, price), x, y = rng.choice(ITEMS), rng.randint(3, 40), rng.randint(2, 9)
-    return [rng.choice([
-        f"{a} has {x} {item} and buys {y} more packs of {y} each. How many {item} does {a} have now?",
-        f"{item.capitalize()} cost ${price} each. {a} buys {x} and pays with a ${price * x + y * 5} bill. How much change does {a} get?",
-        f"{a} and {b} share {x * y} {item} so that {a} gets {y - 1} times as many as {b}. Is that possible with whole numbers? Explain.",
-        f"A train travels {x * 10} km in {y} hours. What is its average speed? Then, how far would it go in {y + 2} hours?",
-        f"{a} saves ${x} every week. How many weeks until {a} can buy a bike that costs ${x * y + price}?",
-        f"What is {x} times {y}, plus {price * 7}? Show your work step by step.",
-    ])]
-
-
-def _summary(rng) -> list[str]:
-    passage = rng.choice(PASSAGES)
-    ask = rng.choice(["Summarize this in one sentence:", "Summarize the following text:",
-                      "What are the key points of this text?", "Write a title for this text and then summarize it:"])
-    return [f"{ask}\n\n{passage}"]
-
-
-def _factual(rng) -> list[str]:
-    topic = rng.choice(TOPICS)
-    return [rng.choice([
-        f"What is {topic}?", f"Tell me three facts about {topic}.", f"What is the history of {topic}?",
-        f"Why is {topic} important?", f"How does {topic} work?",
-        f"What is the capital of {rng.choice(['France', 'Japan', 'Brazil', 'Canada', 'Kenya', 'Australia', 'Egypt', 'India'])}?",
-        f"Who invented the {rng.choice(['telephone', 'light bulb', 'airplane', 'printing press', 'World Wide Web'])}?",
-    ])]
-
-
-def _multi_turn(rng) -> list[str]:
-    first = rng.choice([_chat, _writing, _factual, _coding])(rng)
-    return first + [rng.choice(FOLLOW_UPS)]
 
 
 def read_prompt_file(path: str | Path) -> list[list[str]]:

@@ -82,3 +82,12 @@ def test_resume_continues_where_it_stopped(target, data, tmp_path):
     wb = HeadCheckpoint.load(resumed["heads"]).state_dict()
     for name in wa:
         torch.testing.assert_close(wa[name], wb[name], atol=1e-6, rtol=1e-5)
+
+
+def test_bf16_mixed_precision_trains_and_keeps_float32_weights(target, data, tmp_path):
+    result = train(target, data, tmp_path / "run", epochs=3, batch_size=4, lr=3e-3, warmup_steps=2,
+                   draft_vocab_size=96, mixed_precision="bf16", log=quiet)
+    losses = [h["train_loss"] for h in result["history"]]
+    assert losses[-1] < losses[0]
+    heads = HeadCheckpoint.load(result["heads"])
+    assert all(p.dtype == torch.float32 for p in heads.parameters())
