@@ -255,6 +255,7 @@ def train(
     resume: bool = True,
     mixed_precision: str = "no",
     log=print,
+    progress: bool = False,
 ) -> dict:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
@@ -307,7 +308,7 @@ def train(
         started, losses = time.time(), []
         loader.set_epoch(epoch)
         bar = tqdm(loader, desc=f"epoch {epoch + 1}/{epochs}", unit="batch", leave=False,
-                   disable=not accelerator.is_main_process or log is not _stderr)
+                   disable=not (progress and accelerator.is_main_process))
         for micro, batch in enumerate(bar):
             # Noise drawn from a generator seeded by position in the run: a resumed run
             # draws exactly what an uninterrupted one would.
@@ -470,10 +471,6 @@ def register_cli(sub) -> None:
     e.set_defaults(func=lambda args: print(f"wrote {export_heads(args.source, args.dest, args.dtype)}") or 0)
 
 
-def _stderr(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
-
-
 def _cmd_train(args) -> int:
     from .target import load_target
 
@@ -483,6 +480,7 @@ def _cmd_train(args) -> int:
     result = train(target, args.data, args.out, epochs=args.epochs, batch_size=args.batch_size,
                    grad_accum=args.grad_accum, lr=args.lr, warmup_steps=args.warmup_steps, max_len=args.max_len,
                    draft_vocab_size=args.draft_vocab, seed=args.seed, resume=not args.no_resume,
-                   mixed_precision=args.mixed_precision, log=_stderr)
+                   mixed_precision=args.mixed_precision, log=lambda s: print(s, file=sys.stderr, flush=True),
+                   progress=True)
     print(f"heads written to {result['heads']}")
     return 0
