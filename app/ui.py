@@ -142,13 +142,15 @@ def build_ui(service: ChatService) -> gr.Blocks:
             answer = Answer()
             try:
                 for answer in service.stream(st["messages"], opts, cancel=cancel):
+                    # The input box is left alone (gr.skip()): what the user types while an
+                    # answer streams is theirs, and a Send pressed meanwhile runs next with it.
                     if answer.waiting:
                         note = f"*waiting: {answer.waiting} ahead…*"
-                        yield gr.skip(), st, "", note, gr.skip()
+                        yield gr.skip(), st, gr.skip(), note, gr.skip()
                         continue
                     shown = st["messages"] + [answer.as_message()]
                     note = f"*generating…* {render.esc(answer.notice)}".strip()
-                    yield render.chat_html(shown, view_name, rej), st, "", note, gr.skip()
+                    yield render.chat_html(shown, view_name, rej), st, gr.skip(), note, gr.skip()
             finally:
                 # Also reached when the browser goes away mid-answer: the partial text is kept.
                 _cancels.pop(key, None)
@@ -162,7 +164,7 @@ def build_ui(service: ChatService) -> gr.Blocks:
                 note += " The partial answer was saved."
             if answer.notice:
                 note = f"{note} {render.esc(answer.notice)}".strip()
-            yield (render.chat_html(st["messages"], view_name, rej), st, "", note,
+            yield (render.chat_html(st["messages"], view_name, rej), st, gr.skip(), note,
                    gr.update(choices=_session_choices(service), value=st["session_id"]))
 
         def checked_options(spec_on, system_text, temp, p, n):
@@ -187,6 +189,8 @@ def build_ui(service: ChatService) -> gr.Blocks:
                 return
             ensure_session(st, text, opts)
             add_user(st, text)
+            # The message is taken: empty the box once, now, and show it in the chat.
+            yield render.chat_html(st["messages"], view_name, rej), st, "", "*generating…*", gr.skip()
             yield from stream_answer(st, opts, view_name, rej, request)
 
         def regenerate(text, st, spec_on, system_text, temp, p, n, view_name, rej, request: gr.Request):
@@ -297,9 +301,6 @@ def build_ui(service: ChatService) -> gr.Blocks:
             if row is None:
                 return None
             text = service.store.export_json(row["id"]) if kind == "json" else service.store.export_markdown(row["id"])
-            if row is None:
-                return None
-            text = service.store.export_json(row["id"]) if kind == "json" else service.store.export_markdown(row["id"])
             folder = Path(tempfile.mkdtemp(prefix="gumiho-export-"))
             path = export_path(folder, row["title"], "json" if kind == "json" else "md")
             path.write_text(text, encoding="utf-8")
@@ -324,8 +325,11 @@ def build_ui(service: ChatService) -> gr.Blocks:
         # No Gradio-side limit on generations: ChatService.turns queues them (UI and API
         # together) and says "waiting: N ahead" to each tab.
         queued = {**private, "concurrency_limit": None}
-        send_btn.click(send, gen_inputs, gen_outputs, **queued)
-        msg.submit(send, gen_inputs, gen_outputs, **queued)
+        # always_last: a Send pressed while the previous answer is still finishing (its stats
+        # shown, the save not yet done) runs when it ends instead of being dropped (Gradio's
+        # default "once" ignores it). The inputs are read then, so the box's text is current.
+        send_btn.click(send, gen_inputs, gen_outputs, trigger_mode="always_last", **queued)
+        msg.submit(send, gen_inputs, gen_outputs, trigger_mode="always_last", **queued)
         regen_btn.click(regenerate, gen_inputs, gen_outputs, **queued)
         stop_btn.click(stop, None, status, concurrency_limit=None, **private)
         edit_btn.click(edit_last, [state, view, show_rej], [chat, state, msg, status], **private)

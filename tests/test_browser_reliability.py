@@ -157,6 +157,31 @@ def test_two_tabs_are_queued_with_position_and_never_interleave(browser, inproc)
         page.context.close()
 
 
+def test_send_while_an_answer_streams_runs_next_and_keeps_typed_text(browser, inproc):
+    start, _ = inproc
+    url, service = start()
+    page = new_page(browser)
+    page.goto(url)
+    page.wait_for_selector("#legend")
+    set_max_new_tokens(page, 12)
+    send(page, "w30 w31 first")
+    page.wait_for_function("() => document.querySelector('#chat-log .msg.assistant .tok')")
+    box = page.locator("#msg textarea")
+    box.fill("w32 w33 second")
+    tokens = "document.querySelectorAll('#chat-log .msg.assistant .tok').length"
+    seen = page.evaluate(f"() => {tokens}")
+    page.wait_for_function(f"() => {tokens} > {seen}")  # more of the answer streamed in ...
+    assert box.input_value() == "w32 w33 second"  # ... and what was typed is still there
+    page.locator("#send").click()  # pressed mid-answer: it waits its turn, it is not dropped
+    answers_with_stats(page, 2)
+    assert box.input_value() == ""
+    [session] = service.store.sessions()
+    rows = service.store.messages(session["id"])
+    assert [(r["role"], r["text"]) for r in rows[::2]] == [("user", "w30 w31 first"), ("user", "w32 w33 second")]
+    assert all(r["role"] == "assistant" and r["finish_reason"] == "length" for r in rows[1::2]) and len(rows) == 4
+    page.context.close()
+
+
 def test_hostile_titles_and_exports_in_the_browser(browser, inproc):
     start, _ = inproc
     url, service = start()
