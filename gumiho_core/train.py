@@ -254,6 +254,7 @@ def train(
     seed: int = 0,
     resume: bool = True,
     mixed_precision: str = "no",
+    init: str | Path | None = None,
     log=print,
     progress: bool = False,
 ) -> dict:
@@ -277,8 +278,16 @@ def train(
     set_seed(seed)
     state_dir = out_dir / "state"
     progress_file = out_dir / "progress.json"
-    draft_vocab = frequent_tokens(train_set, min(draft_vocab_size, target.vocab_size), target.eos_token_ids)
-    heads = new_trainable_heads(target, draft_vocab, seed)
+    if init is not None:
+        # Warm start: a new run (fresh optimizer and schedule) from trained heads, e.g. the
+        # shipped ones on a larger data set. Their draft vocabulary and shape are kept.
+        heads = HeadCheckpoint.load(init, target, device="cpu", dtype=torch.float32)
+        heads.train()
+        heads.requires_grad_(True)
+        log(f"starting from the heads in {init} (draft vocabulary {heads.config.draft_vocab_size})")
+    else:
+        draft_vocab = frequent_tokens(train_set, min(draft_vocab_size, target.vocab_size), target.eos_token_ids)
+        heads = new_trainable_heads(target, draft_vocab, seed)
     model = DraftTrainer(heads, target.embed_tokens.weight, target.lm_head.weight)
     optimizer = torch.optim.AdamW(heads.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     # Each process reads its share of the batches; an epoch ends with an optimizer step.
@@ -343,7 +352,7 @@ def train(
         if accelerator.is_main_process:
             heads_out = accelerator.unwrap_model(model).heads
             HeadCheckpoint.save(heads_out, out_dir / "heads", training={
-                "data": str(data_dir), "conversations": len(train_set), "tokens": sum(len(c["input_ids"]) for c in train_set),
+                "data": str(data_dir), "init": str(init) if init is not None else None, "conversations": len(train_set), "tokens": sum(len(c["input_ids"]) for c in train_set),
                 "epochs": epoch + 1, "lr": lr, "batch_size": batch_size, "history": history})
             progress_file.write_text(json.dumps({"epoch": epoch + 1, "step": step, "history": history}, indent=1))
         accelerator.wait_for_everyone()
@@ -460,6 +469,8 @@ def register_cli(sub) -> None:
     p.add_argument("--no-resume", action="store_true", help="start over even if the run folder has a state")
     p.add_argument("--mixed-precision", default="no", choices=["no", "bf16"],
                    help="autocast the matmuls (bf16: faster on CPUs with AVX512-BF16 and on GPUs)")
+    p.add_argument("--init", default=None,
+                   help="start from these trained heads (a heads folder) instead of fresh ones; --draft-vocab is then theirs")
     p.add_argument("--threads", type=int, default=None)
     add_model_args(p)
     p.set_defaults(func=_cmd_train)
@@ -480,7 +491,7 @@ def _cmd_train(args) -> int:
     result = train(target, args.data, args.out, epochs=args.epochs, batch_size=args.batch_size,
                    grad_accum=args.grad_accum, lr=args.lr, warmup_steps=args.warmup_steps, max_len=args.max_len,
                    draft_vocab_size=args.draft_vocab, seed=args.seed, resume=not args.no_resume,
-                   mixed_precision=args.mixed_precision, log=lambda s: print(s, file=sys.stderr, flush=True),
+                   mixed_precision=args.mixed_precision, init=args.init, log=lambda s: print(s, file=sys.stderr, flush=True),
                    progress=True)
     print(f"heads written to {result['heads']}")
     return 0

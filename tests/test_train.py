@@ -91,3 +91,25 @@ def test_bf16_mixed_precision_trains_and_keeps_float32_weights(target, data, tmp
     assert losses[-1] < losses[0]
     heads = HeadCheckpoint.load(result["heads"])
     assert all(p.dtype == torch.float32 for p in heads.parameters())
+
+
+def test_init_starts_a_new_run_from_trained_heads(target, data, tmp_path):
+    args = dict(batch_size=4, lr=3e-3, warmup_steps=2, log=quiet)
+    first = train(target, data, tmp_path / "a", epochs=3, draft_vocab_size=64, **args)
+    # A different draft_vocab_size is ignored: the heads keep the vocabulary they were trained with.
+    warm = train(target, data, tmp_path / "b", epochs=1, draft_vocab_size=96, init=first["heads"], **args)
+    start = HeadCheckpoint.load(first["heads"])
+    heads = HeadCheckpoint.load(warm["heads"])
+    assert torch.equal(heads.draft_vocab, start.draft_vocab)
+    assert warm["history"][0]["loss"] < first["history"][0]["loss"]  # it did not start from scratch
+    meta = json.loads((tmp_path / "b" / "heads" / "heads.json").read_text())
+    assert meta["training"]["init"] == first["heads"]
+
+
+def test_init_with_heads_of_another_target_is_refused(data, tmp_path):
+    from gumiho_core import GumihoError, new_heads
+
+    other = tiny_target(seed=1, eos=False, vocab=128)
+    HeadCheckpoint.save(new_heads(other), tmp_path / "other")
+    with pytest.raises(GumihoError, match="do not match"):
+        train(tiny_target(seed=0, eos=False), data, tmp_path / "run", epochs=1, init=tmp_path / "other", log=quiet)
