@@ -27,8 +27,9 @@ browser:
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq chromium >/dev/null; \
 	  else sudo apt-get update -qq && sudo apt-get install -y -qq chromium >/dev/null; fi; }
 
+# On AMD CPUs the tests run with MKL's vector path, as `launch.py` does (gumiho_core/mkl_on_amd.py).
 test: setup browser
-	$(PY) -m pytest -q
+	LD_PRELOAD="$$($(PY) -m gumiho_core.mkl_on_amd)" $(PY) -m pytest -q
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -233,6 +233,7 @@ def format_table(report: dict) -> str:
 
 def cmd_bench(args) -> int:
     from .cli import chosen_tree, load_engine, tree_from_args
+    from .mkl_on_amd import active as mkl_on_amd_active
     from .tree_budget import choose_tree, format_budget
 
     prompt_sets = {Path(p).stem: read_prompts(p, args.limit) for p in args.prompts}
@@ -248,7 +249,8 @@ def cmd_bench(args) -> int:
         raise GumihoError(f"--methods must include plain and be among {', '.join(METHODS)}")
     torch.set_num_threads(args.threads or torch.get_num_threads())
     engine, heads_note = load_engine(args)
-    print(f"target {engine.target.name}, heads {heads_note}, threads {torch.get_num_threads()}", file=sys.stderr)
+    mkl = "MKL AVX-512/AVX2 path on AMD (mkl_on_amd)" if mkl_on_amd_active() else "MKL default path"
+    print(f"target {engine.target.name}, heads {heads_note}, threads {torch.get_num_threads()}, {mkl}", file=sys.stderr)
     # The measured cost curve and the budget it implies are always printed; they are used
     # with --auto-tree (explicit tree flags still win).
     _, budget = choose_tree(engine)
@@ -259,6 +261,7 @@ def cmd_bench(args) -> int:
     report["heads"] = heads_note
     report["tree_budget"] = budget
     report["target"] = engine.target.name
+    report["mkl_on_amd"] = mkl_on_amd_active()
     print(format_table(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))

@@ -23,6 +23,7 @@ import torch
 
 from .draft_tree import DraftTree
 from .generate import Engine, run_to_end
+from .mkl_on_amd import active as mkl_on_amd_active
 from .settings import GenerationSettings, TreeSettings
 from .target import cache_dir
 from .verify import run_target, tree_attention_mask
@@ -47,7 +48,8 @@ def measure_cost_curve(target, sizes=COST_SIZES, context: int = 256, reps: int =
     from transformers import DynamicCache
 
     key = {"target": target.name, "device": str(target.device), "dtype": str(target.base.dtype),
-           "threads": torch.get_num_threads(), "sizes": list(sizes), "context": context}
+           "threads": torch.get_num_threads(), "sizes": list(sizes), "context": context,
+           "mkl_on_amd": mkl_on_amd_active()}  # MKL's AVX-512 path changes the whole curve
     path = _cache_file("cost", key)
     if use_cache and path.is_file():
         return {int(k): v for k, v in json.loads(path.read_text()).items()}
@@ -120,7 +122,7 @@ def choose_tree(engine: Engine, use_cache: bool = True, log=None) -> tuple[TreeS
     heads = engine.heads
     fingerprint = float(sum(p.double().sum() for p in heads.parameters())) if heads is not None else 0.0
     key = {"target": engine.target.name, "device": str(engine.target.device), "heads": fingerprint,
-           "threads": torch.get_num_threads()}
+           "threads": torch.get_num_threads(), "mkl_on_amd": mkl_on_amd_active()}
     path = _cache_file("choice", key)
     if use_cache and path.is_file():
         report = json.loads(path.read_text())
