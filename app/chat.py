@@ -11,7 +11,8 @@ import threading
 from dataclasses import dataclass, field
 from collections.abc import Iterator
 
-from gumiho_core import ContextTooLong, DoneEvent, GenerationSettings, GumihoError, SamplingSettings, StepEvent
+from gumiho_core import (ContextTooLong, DoneEvent, GenerationSettings, GumihoError, SamplingSettings, StepEvent,
+                         TreeSettings)
 
 from .render import step_from_event
 from .store import Store
@@ -44,9 +45,10 @@ class Options:
         if not ok:
             raise GumihoError(f"max new tokens must be a whole number, at least 1 (got {self.max_new_tokens})")
 
-    def settings(self) -> GenerationSettings:
+    def settings(self, tree: TreeSettings | None = None) -> GenerationSettings:
         self.validate()
         return GenerationSettings(
+            tree=tree or TreeSettings(),
             max_new_tokens=int(self.max_new_tokens),
             speculative=bool(self.speculative),
             sampling=SamplingSettings(temperature=float(self.temperature), top_p=float(self.top_p)),
@@ -133,9 +135,11 @@ class Answer:
 
 
 class ChatService:
-    def __init__(self, engine, store: Store | None, model_name: str = "default", heads_note: str = ""):
+    def __init__(self, engine, store: Store | None, model_name: str = "default", heads_note: str = "",
+                 tree: TreeSettings | None = None):
         self.engine = engine
         self.store = store
+        self.tree = tree  # the draft tree of every answer; None = TreeSettings() defaults
         self.model_name = model_name
         self.heads_note = heads_note
         self.turns = Turns()
@@ -215,7 +219,7 @@ class ChatService:
                 which = "turn 1" if dropped == 1 else f"turns 1–{dropped}"
                 answer.notice = (f"The conversation is longer than the model's context: the oldest {which} "
                                  f"(of {total}) {'was' if dropped == 1 else 'were'} left out of the prompt.")
-            for event in self.engine.generate(prompt, options.settings(), cancel=cancel):
+            for event in self.engine.generate(prompt, options.settings(self.tree), cancel=cancel):
                 if isinstance(event, StepEvent):
                     answer.steps.append(step_from_event(event))
                     answer.text += event.text

@@ -29,7 +29,7 @@ def parse_auth(value: str | None) -> tuple[str, str] | None:
 
 
 def create_app(engine=None, db_path: str | Path | None = None, model_name: str = "default", heads_note: str = "",
-               args=None, auth: tuple[str, str] | None = None, store=None):
+               args=None, auth: tuple[str, str] | None = None, store=None, tree=None):
     """The FastAPI app. Without `engine`, one is loaded from `args` (the CLI's model args).
 
     With `auth` = (user, password), the Gradio UI asks for a login and the OpenAI route
@@ -48,7 +48,7 @@ def create_app(engine=None, db_path: str | Path | None = None, model_name: str =
         engine, heads_note = load_engine(args)
         model_name = getattr(args, "model", None) or "default"
     store = store or Store(db_path or default_db_path())
-    service = ChatService(engine, store, model_name=model_name, heads_note=heads_note)
+    service = ChatService(engine, store, model_name=model_name, heads_note=heads_note, tree=tree)
     app = FastAPI(title="gumiho-chat")
     # The OpenAI route first: Gradio mounted at "/" would otherwise answer every path.
     app.include_router(make_router(service, auth=auth))
@@ -96,8 +96,15 @@ def cmd_serve(args) -> int:
         raise GumihoError(f"could not load the model {args.model or 'default'}"
                           f"{' with heads ' + str(args.heads) if args.heads else ''}: "
                           f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}") from None
+    tree = None
+    if args.auto_tree and engine.heads is not None:
+        from gumiho_core.tree_budget import choose_tree, format_budget
+
+        print("choosing the draft tree for this machine (measured once, then cached)…", file=sys.stderr)
+        tree, report = choose_tree(engine)
+        print(format_budget(report), file=sys.stderr)
     app = create_app(engine, args.db, model_name=args.model or "default", heads_note=heads_note, auth=auth,
-                     store=store)
+                     store=store, tree=tree)
     print(f"gumiho-chat on http://{args.host}:{args.port}  (OpenAI API at /v1/chat/completions)", file=sys.stderr)
     # Never a public share link: this is a local app.
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
@@ -113,5 +120,7 @@ def register_cli(subparsers) -> None:
     p.add_argument("--db", default=None, help="SQLite file for sessions (default: per-user data folder)")
     p.add_argument("--auth", default=None, metavar="USER:PASSWORD",
                    help=f"ask for this login in the UI and the API (or set {AUTH_ENV}); use it with --host")
+    p.add_argument("--auto-tree", action="store_true",
+                   help="measure this machine's cost curve and the heads' acceptance, answer with the best tree")
     add_model_args(p)
     p.set_defaults(func=cmd_serve)

@@ -309,6 +309,7 @@ def build_ui(service: ChatService) -> gr.Blocks:
         def load_model(path, heads, st):
             try:
                 service.engine, service.heads_note = _load_engine(path, heads)
+                service.tree = None  # a tree measured for the old heads says nothing about these
                 service.model_name = (path or "").strip() or "default"
             except GumihoError as exc:
                 return f"**error:** {render.esc(str(exc))}", gr.skip()

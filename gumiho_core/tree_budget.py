@@ -28,7 +28,10 @@ from .settings import GenerationSettings, TreeSettings
 from .target import cache_dir
 from .verify import run_target, tree_attention_mask
 
-COST_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48)
+# Small sizes matter: where a pass over 2-3 tokens costs about as much as over one (MKL's
+# vector kernels on a CPU), a one- or two-token draft is the tree that pays.
+COST_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)
+DEPTHS = (1, 2, 3, 4, 5, 7)
 CALIBRATION_PROMPTS = [
     "Explain how a bicycle works, step by step.",
     "Write a short email inviting a colleague to lunch on Friday.",
@@ -96,24 +99,33 @@ def accepted_length(tree: DraftTree, path: list[int], budget: int, depth: int) -
     return n
 
 
+def _tree(top_k: int, total_tokens: int, depth: int) -> TreeSettings:
+    return TreeSettings(top_k=top_k, total_tokens=total_tokens, depth=depth, mlp_topk=top_k, pruning=2 * top_k,
+                        fta=False, fta_tokens=0)
+
+
 def calibrate(engine: Engine, top_ks=(2, 4, 6), big: int = 48, max_new_tokens: int = 48) -> dict:
-    """Per top_k: the traced (tree, path) steps of a large-tree run over the built-in prompts."""
+    """Per top_k: the traced (tree, path) steps of a large-tree run over the built-in prompts,
+    and the drafting time per step at each depth (a depth-1 draft skips the second serial
+    step and the MLP heads, so it costs a fraction of a depth-7 one)."""
     ids = [engine.target.chat_prompt([{"role": "user", "content": p}]) for p in CALIBRATION_PROMPTS]
     traces, draft_ms = {}, {}
     engine.trace_trees = True
     try:
         for k in top_ks:
-            tree = TreeSettings(top_k=k, total_tokens=big, depth=7, mlp_topk=k, pruning=2 * k, fta=False, fta_tokens=0)
-            steps, spent, count = [], 0.0, 0
+            steps = []
             for prompt in ids:
-                run_to_end(engine, prompt, GenerationSettings(max_new_tokens=max_new_tokens, tree=tree))
+                run_to_end(engine, prompt, GenerationSettings(max_new_tokens=max_new_tokens, tree=_tree(k, big, 7)))
                 steps.extend(engine.last_run.trace)
-                spent += engine.last_run.stats.draft_s
-                count += len(engine.last_run.trace)
             traces[k] = steps
-            draft_ms[k] = spent / max(count, 1) * 1e3
     finally:
         engine.trace_trees = False
+    for k in top_ks:
+        for depth in DEPTHS:  # short runs: only the drafting time is read
+            runs = [run_to_end(engine, ids[0], GenerationSettings(max_new_tokens=16, tree=_tree(k, 8, depth)))
+                    for _ in range(2)]
+            draft_ms[f"{k}/{depth}"] = statistics.median(
+                r.stats.draft_s / max(r.stats.forward_passes - 1, 1) * 1e3 for r in runs)
     return {"traces": traces, "draft_ms": draft_ms}
 
 
@@ -122,7 +134,7 @@ def choose_tree(engine: Engine, use_cache: bool = True, log=None) -> tuple[TreeS
     heads = engine.heads
     fingerprint = float(sum(p.double().sum() for p in heads.parameters())) if heads is not None else 0.0
     key = {"target": engine.target.name, "device": str(engine.target.device), "heads": fingerprint,
-           "threads": torch.get_num_threads(), "mkl_on_amd": mkl_on_amd_active()}
+           "threads": torch.get_num_threads(), "mkl_on_amd": mkl_on_amd_active(), "depths": list(DEPTHS)}
     path = _cache_file("choice", key)
     if use_cache and path.is_file():
         report = json.loads(path.read_text())
@@ -132,15 +144,14 @@ def choose_tree(engine: Engine, use_cache: bool = True, log=None) -> tuple[TreeS
     candidates = []
     for k, steps in cal["traces"].items():
         for n in [s for s in curve if s > 1]:
-            for depth in (2, 3, 4, 5, 7):
+            for depth in DEPTHS:
                 tau = 1 + statistics.mean(accepted_length(t, p, n, depth) for t, p in steps) if steps else 1.0
-                ms = curve[n] + cal["draft_ms"][k]
+                ms = curve[n] + cal["draft_ms"][f"{k}/{depth}"]
                 candidates.append({"top_k": k, "total_tokens": n, "depth": depth, "tau": tau,
                                    "step_ms": ms, "tokens_per_s": tau / ms * 1e3})
     plain_tps = 1e3 / curve[1]
     best = max(candidates, key=lambda c: c["tokens_per_s"])
-    chosen = TreeSettings(top_k=best["top_k"], total_tokens=best["total_tokens"], depth=best["depth"],
-                          mlp_topk=best["top_k"], pruning=2 * best["top_k"], fta=False, fta_tokens=0)
+    chosen = _tree(best["top_k"], best["total_tokens"], best["depth"])
     report = {"cost_curve_ms": curve, "draft_ms": cal["draft_ms"], "plain_tokens_per_s": plain_tps,
               "best": best, "chosen": asdict(chosen),
               "top": sorted(candidates, key=lambda c: -c["tokens_per_s"])[:8]}
@@ -152,7 +163,7 @@ def choose_tree(engine: Engine, use_cache: bool = True, log=None) -> tuple[TreeS
 def format_budget(report: dict) -> str:
     curve = report["cost_curve_ms"]
     lines = ["target pass cost (ms) by tree tokens: " + ", ".join(f"{n}: {ms:.0f}" for n, ms in curve.items()),
-             "draft cost (ms/step) by top_k: " + ", ".join(f"{k}: {ms:.0f}" for k, ms in report["draft_ms"].items()),
+             "draft cost (ms/step) by top_k/depth: " + ", ".join(f"{k}: {ms:.0f}" for k, ms in report["draft_ms"].items()),
              "best expected: " + ", ".join(f"{c['top_k']}/{c['total_tokens']}/{c['depth']} tau {c['tau']:.2f} "
                                          f"{c['tokens_per_s']:.1f} tok/s" for c in report["top"][:4]),
              f"chosen tree: top_k {report['chosen']['top_k']}, total_tokens {report['chosen']['total_tokens']}, "

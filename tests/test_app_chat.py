@@ -90,3 +90,14 @@ def test_compare_is_identical_under_greedy(service):
     assert plain.text == gumiho.text
     assert plain.stats["speculative"] is False and gumiho.stats["speculative"] is True
     assert plain.stats["forward_passes"] >= gumiho.stats["forward_passes"]
+
+
+def test_answers_use_the_services_tree(service):
+    from gumiho_core import TreeSettings
+
+    default = last(service.stream([{"role": "user", "text": "w5 w6"}], Options(max_new_tokens=8)))
+    assert default.stats["tree"]["total_tokens"] == TreeSettings().total_tokens
+    service.tree = TreeSettings(top_k=2, total_tokens=3, depth=2, fta=False, fta_tokens=0)  # as --auto-tree sets it
+    small = last(service.stream([{"role": "user", "text": "w5 w6"}], Options(max_new_tokens=8)))
+    assert small.stats["tree"]["total_tokens"] == 3 and small.stats["tree"]["top_k"] == 2
+    assert max(len(s["tokens"]) for s in small.steps) <= 3  # at most 2 drafts + the target's token

@@ -31,6 +31,8 @@ def test_choose_tree_measures_and_caches(tmp_path, monkeypatch):
     tree.validate()
     assert report["best"]["tokens_per_s"] == max(c["tokens_per_s"] for c in report["top"])
     assert "chosen tree" in format_budget(report)
+    # Drafting is timed per top_k and depth, and one-token drafts are candidates.
+    assert {"2/1", "2/7", "6/3"} <= set(report["draft_ms"]) and all(ms > 0 for ms in report["draft_ms"].values())
     again, _ = choose_tree(engine)  # from the cache, no new measurement
     assert again == tree
     assert list((tmp_path / "tree_budget").glob("choice-*.json"))
