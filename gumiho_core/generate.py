@@ -22,6 +22,7 @@ import torch
 from .draft_tree import DraftTree, build_draft_tree
 from .errors import ContextTooLong, GumihoError
 from .events import DoneEvent, GenerationStats, StepEvent, TokenPiece
+from .cpu_matmul import fast_cpu_copy
 from .heads import DraftHead, GumihoHeads
 from .sampling import TokenChooser
 from .settings import GenerationSettings
@@ -81,7 +82,7 @@ class Engine:
 
     def __init__(self, target, heads: GumihoHeads | None = None):
         self.target = target
-        self.heads = heads
+        self.heads = None if heads is None else fast_cpu_copy(heads)  # see cpu_matmul.py
         self.lock = threading.Lock()  # one generation at a time: caches are per call, compute is not
         self.last_run: _Run | None = None
         self.trace_trees = False  # keep every (tree, accepted path): the tree-budget calibration reads them

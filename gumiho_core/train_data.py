@@ -24,6 +24,7 @@ training on the test set would make tau meaningless.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -197,6 +198,22 @@ def write_shard(folder: Path, number: int, conversations: list[Conversation], fe
             "prompts": [c.index for c in conversations]}
 
 
+def prompt_hash(turns: list[str]) -> str:
+    """A short fingerprint of one prompt, so a resumed run can tell it is given the same prompts."""
+    return hashlib.sha256(json.dumps(turns, ensure_ascii=False).encode("utf-8")).hexdigest()[:16]
+
+
+def check_same_prompts(folder: Path, manifest: dict, prompts: list[list[str]]) -> None:
+    """Refuse to resume a folder with other prompts: resuming goes by prompt index, so another --seed
+    or --prompts file would silently mix two prompt sets (and skip prompts never answered)."""
+    for shard in manifest["shards"]:
+        for index, stored in zip(shard["prompts"], shard.get("prompt_hashes", [])):  # older folders: no hashes
+            if index >= len(prompts) or prompt_hash(prompts[index]) != stored:
+                raise GumihoError(
+                    f"{folder} was made from other prompts (prompt {index} differs from the one stored): "
+                    "resume it with the same --seed / --prompts / --num-prompts, or use a new --out folder")
+
+
 def load_conversations(folder: str | Path) -> list[dict]:
     """Every stored conversation as {"input_ids" (T,), "features" (T, H) float32, "loss_mask" (T,)}."""
     from safetensors.torch import load_file
@@ -237,6 +254,7 @@ def generate_dataset(target, out_dir: str | Path, prompts: list[list[str]], max_
         manifest = read_manifest(folder)
         if manifest["target"] != target_signature(target):
             raise GumihoError(f"{folder} holds data of {manifest['target']['name']}, not of {target.name}")
+        check_same_prompts(folder, manifest, prompts)
     else:
         manifest = {"format": FORMAT_VERSION, "target": target_signature(target), "mask": mask,
                     "max_new_tokens": max_new_tokens, "feature_dtype": feature_dtype, "shards": []}
@@ -254,7 +272,9 @@ def generate_dataset(target, out_dir: str | Path, prompts: list[list[str]], max_
         for b in range(0, len(conversations), batch_size):
             features += target_features(target, [c.input_ids for c in conversations[b:b + batch_size]])
         number = max((int(s["file"][6:11]) for s in manifest["shards"]), default=-1) + 1
-        manifest["shards"].append(write_shard(folder, number, conversations, features, manifest["mask"], dtype))
+        shard = write_shard(folder, number, conversations, features, manifest["mask"], dtype)
+        shard["prompt_hashes"] = [prompt_hash(prompts[i]) for i in shard["prompts"]]
+        manifest["shards"].append(shard)
         _write_json_atomic(folder / MANIFEST, manifest)  # only now does the shard count as done
         bar.set_postfix(tokens=sum(s["tokens"] for s in manifest["shards"]))
     bar.close()

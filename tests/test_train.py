@@ -113,3 +113,20 @@ def test_init_with_heads_of_another_target_is_refused(data, tmp_path):
     HeadCheckpoint.save(new_heads(other), tmp_path / "other")
     with pytest.raises(GumihoError, match="do not match"):
         train(tiny_target(seed=0, eos=False), data, tmp_path / "run", epochs=1, init=tmp_path / "other", log=quiet)
+
+
+def test_data_resumes_only_with_the_same_prompts(target, tmp_path):
+    from gumiho_core.errors import GumihoError
+
+    folder = tmp_path / "data"
+    prompts = random_prompts(8, seed=3)
+    generate_dataset(target, folder, prompts[:4], max_new_tokens=8, batch_size=4, shard_size=4, progress=False)
+    # The same prompts, extended: the first four are kept, only the new four are answered.
+    manifest = generate_dataset(target, folder, prompts, max_new_tokens=8, batch_size=4, shard_size=4,
+                                progress=False)
+    assert [s["prompts"] for s in manifest["shards"]] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    # Other prompts (another --seed) into the same folder would silently mix two prompt sets.
+    with pytest.raises(GumihoError, match="made from other prompts"):
+        generate_dataset(target, folder, random_prompts(12, seed=4), max_new_tokens=8, batch_size=4,
+                         shard_size=4, progress=False)
+    assert len(load_conversations(folder)) == 8  # nothing lost or added by the refused run

@@ -22,7 +22,7 @@ def tiny_tokenizer(vocab: int = VOCAB) -> PreTrainedTokenizerFast:
 
 
 def tiny_target(seed: int = 0, vocab: int = VOCAB, layers: int = 2, dtype=torch.float32, eos: bool = True,
-                max_positions: int = 512, std: float = 0.15) -> Target:
+                max_positions: int = 512, std: float = 0.15, tied: bool = False) -> Target:
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=vocab,
@@ -36,7 +36,7 @@ def tiny_target(seed: int = 0, vocab: int = VOCAB, layers: int = 2, dtype=torch.
         bos_token_id=1,
         eos_token_id=EOS if eos else None,
         pad_token_id=0,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
     )
     model = LlamaForCausalLM(config).to(dtype).eval()
     model.requires_grad_(False)

@@ -1,0 +1,91 @@
+"""Weight layouts that keep a small model's matmuls fast on the CPU for a few rows at once.
+
+A tree verification pass multiplies 2-48 rows by every weight matrix. nn.Linear computes
+x @ W.T with W stored (out, in), and MKL's sgemm for that layout falls off a cliff between
+3 and 16 rows: on this 2-core machine a (576 -> 1536 -> 576) MLP product at 16 rows costs
+6x its 8-row cost, so a 16-token tree pass of SmolLM2-135M took 4x a one-token pass.
+The same product with the weight stored transposed, x @ W_t, stays near the one-row cost
+(16 rows: 0.14 ms instead of 0.93 ms). The lm_head is usually tied to the embedding, whose
+lookup needs the (vocab, hidden) layout, so it is computed as (W @ x.T).T instead: no copy of
+the 49k-row matrix, and 2x faster than x @ W.T from 4 rows on.
+
+Only the layout changes: every output element is still a float32 dot product of the same
+numbers, so speculative and plain decoding run through the same kernels and stay equal.
+The benchmark's cost curve (tree_budget.py) shows the effect on whole passes.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+
+
+class TransposedLinear(nn.Module):
+    """nn.Linear with its weight stored (in, out): forward is x @ weight_t (+ bias)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight_t = nn.Parameter(linear.weight.detach().t().contiguous(), requires_grad=False)
+        self.bias = linear.bias
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The (out, in) view nn.Linear users expect (read-only use: a transposed view)."""
+        return self.weight_t.t()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.matmul(x, self.weight_t)
+        return y if self.bias is None else y + self.bias
+
+
+class WeightFirstLinear(nn.Module):
+    """nn.Linear computed as (W @ x.T).T: same weight tensor (tied embeddings stay tied)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] < 4:  # one to three rows: nn.Linear's own path is as fast
+            return nn.functional.linear(x, self.weight, self.bias)
+        y = torch.mm(self.weight, rows.t()).t()
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+def use_fast_cpu_layouts(model: nn.Module) -> int:
+    """Swap a float32 CPU model's nn.Linear layers for the layouts above; returns how many.
+
+    Only exact nn.Linear instances are touched: quantized layers (bitsandbytes subclasses)
+    and anything on a GPU keep their own kernels.
+    """
+    lm_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    swapped = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if _swappable(child):
+                setattr(parent, name, WeightFirstLinear(child) if child is lm_head else TransposedLinear(child))
+                swapped += 1
+    return swapped
+
+
+def fast_cpu_copy(module: nn.Module) -> nn.Module:
+    """An inference copy of `module` in the fast layouts, or `module` itself if none applies.
+
+    A copy, not a swap in place: a caller may still train or save the module it passed,
+    and an optimizer holding its old parameters would silently stop updating what runs.
+    """
+    if not any(_swappable(m) for m in module.modules()):
+        return module
+    fast = copy.deepcopy(module)
+    use_fast_cpu_layouts(fast)
+    return fast
+
+
+def _swappable(layer: nn.Module) -> bool:
+    return type(layer) is nn.Linear and layer.weight.device.type == "cpu" and layer.weight.dtype == torch.float32

@@ -1,0 +1,59 @@
+"""The CPU weight layouts (cpu_matmul.py) compute what nn.Linear computes, and decoding stays lossless."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from gumiho_core import Engine, GenerationSettings, TreeSettings, new_heads, run_to_end
+from gumiho_core.cpu_matmul import TransposedLinear, WeightFirstLinear, fast_cpu_copy, use_fast_cpu_layouts
+from tiny import random_prompts, tiny_target
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("layout", [TransposedLinear, WeightFirstLinear])
+def test_layouts_compute_what_linear_computes(layout, bias):
+    torch.manual_seed(0)
+    linear = nn.Linear(48, 80, bias=bias)
+    fast = layout(linear)
+    torch.testing.assert_close(fast.weight, linear.weight, rtol=0, atol=0)
+    for shape in [(1, 48), (3, 48), (16, 48), (1, 5, 48), (2, 7, 48)]:
+        x = torch.randn(shape)
+        torch.testing.assert_close(fast(x), linear(x), rtol=1e-5, atol=1e-5)
+
+
+def test_target_swap_keeps_logits_and_tied_embeddings():
+    target = tiny_target(seed=4, tied=True)
+    reference = copy.deepcopy(target.model)
+    swapped = use_fast_cpu_layouts(target.model)
+    assert swapped == 7 * 2 + 1  # q k v o gate up down per layer, and the lm_head
+    assert isinstance(target.lm_head, WeightFirstLinear)
+    assert target.lm_head.weight is target.embed_tokens.weight  # still tied: no 2nd copy of the vocabulary
+    ids = torch.tensor([random_prompts(1, seed=9)[0]])
+    torch.testing.assert_close(target.model(ids).logits, reference(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_decoding_with_swapped_target_is_lossless():
+    target = tiny_target(seed=0, eos=False)
+    use_fast_cpu_layouts(target.model)
+    engine = Engine(target, new_heads(target))
+    tree = TreeSettings(top_k=3, total_tokens=12, depth=4, mlp_topk=3, pruning=6)
+    for prompt in random_prompts(4, seed=21):
+        spec = run_to_end(engine, prompt, GenerationSettings(max_new_tokens=24, tree=tree))
+        plain = run_to_end(engine, prompt, GenerationSettings(max_new_tokens=24, speculative=False))
+        hf = target.model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                   max_new_tokens=24, do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+        assert spec.token_ids == plain.token_ids == hf
+
+
+def test_engine_copies_heads_and_leaves_the_callers_module_alone():
+    target = tiny_target(seed=1)
+    heads = new_heads(target)
+    engine = Engine(target, heads)
+    assert type(heads.fc) is nn.Linear  # the caller may still train or save these
+    assert isinstance(engine.heads.fc, TransposedLinear)
+    assert engine.heads.state_dict().keys() != heads.state_dict().keys()  # a separate inference copy
+    half = copy.deepcopy(heads).half()
+    assert fast_cpu_copy(half) is half  # float16 keeps nn.Linear's own kernels
