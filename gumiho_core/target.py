@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from .attention import use_packed_gqa
 from .cpu_matmul import use_fast_cpu_layouts
 from .errors import GumihoError
 
@@ -207,6 +208,7 @@ def load_target(
         lm = lm.to(device_name)
     if device_name == "cpu" and qconfig is None:
         use_fast_cpu_layouts(lm)  # float32 only; see cpu_matmul.py for why and by how much
+    use_packed_gqa(lm)  # tree passes without copying the KV cache per query head (attention.py)
     lm.eval()
     lm.requires_grad_(False)
     return Target(model=lm, tokenizer=tokenizer, name=name)

@@ -310,6 +310,10 @@ def train(
         accelerator.load_state(str(state_dir))
         start_epoch, history = progress["epoch"], progress["history"]
         log(f"resuming after epoch {start_epoch} (step {progress['step']})")
+        planned = progress.get("planned_epochs", epochs)
+        if planned != epochs:  # the cosine schedule spans the planned epochs
+            log(f"note: this run was planned for {planned} epochs and now runs {epochs}: the learning-rate "
+                "schedule changes from here on, so it will not equal an uninterrupted run of either length")
 
     step = start_epoch * steps_per_epoch
     hidden = target.hidden_size
@@ -354,7 +358,8 @@ def train(
             HeadCheckpoint.save(heads_out, out_dir / "heads", training={
                 "data": str(data_dir), "init": str(init) if init is not None else None, "conversations": len(train_set), "tokens": sum(len(c["input_ids"]) for c in train_set),
                 "epochs": epoch + 1, "lr": lr, "batch_size": batch_size, "history": history})
-            progress_file.write_text(json.dumps({"epoch": epoch + 1, "step": step, "history": history}, indent=1))
+            progress_file.write_text(json.dumps({"epoch": epoch + 1, "step": step, "planned_epochs": epochs,
+                                                 "history": history}, indent=1))
         accelerator.wait_for_everyone()
     return {"history": history, "heads": str(out_dir / "heads")}
 

@@ -53,7 +53,8 @@ def measure_cost_curve(target, sizes=COST_SIZES, context: int = 256, reps: int =
     key = {"target": target.name, "device": str(target.device), "dtype": str(target.base.dtype),
            "threads": torch.get_num_threads(), "sizes": list(sizes), "context": context,
            "mkl_on_amd": mkl_on_amd_active(),  # MKL's AVX-512 path changes the whole curve
-           "lm_head": type(target.lm_head).__name__}  # so do the weight layouts (cpu_matmul.py)
+           "lm_head": type(target.lm_head).__name__,  # so do the weight layouts (cpu_matmul.py)
+           "attention": getattr(target.config, "_attn_implementation", None)}  # and attention.py
     path = _cache_file("cost", key)
     if use_cache and path.is_file():
         return {int(k): v for k, v in json.loads(path.read_text()).items()}

@@ -82,6 +82,11 @@ def test_resume_continues_where_it_stopped(target, data, tmp_path):
     wb = HeadCheckpoint.load(resumed["heads"]).state_dict()
     for name in wa:
         torch.testing.assert_close(wa[name], wb[name], atol=1e-6, rtol=1e-5)
+    # Going on for more epochs than planned works, and says that the schedule changes.
+    lines = []
+    longer = train(target, data, tmp_path / "a", epochs=4, **{**args, "log": lines.append})
+    assert [h["epoch"] for h in longer["history"]] == [1, 2, 3, 4]
+    assert any("planned for 3 epochs and now runs 4" in line for line in lines)
 
 
 def test_bf16_mixed_precision_trains_and_keeps_float32_weights(target, data, tmp_path):
