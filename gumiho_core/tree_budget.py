@@ -50,11 +50,7 @@ def measure_cost_curve(target, sizes=COST_SIZES, context: int = 256, reps: int =
     """{tree tokens: median ms of one verification pass} at `context` cached tokens."""
     from transformers import DynamicCache
 
-    key = {"target": target.name, "device": str(target.device), "dtype": str(target.base.dtype),
-           "threads": torch.get_num_threads(), "sizes": list(sizes), "context": context,
-           "mkl_on_amd": mkl_on_amd_active(),  # MKL's AVX-512 path changes the whole curve
-           "lm_head": type(target.lm_head).__name__,  # so do the weight layouts (cpu_matmul.py)
-           "attention": getattr(target.config, "_attn_implementation", None)}  # and attention.py
+    key = {**_machine_key(target), "sizes": list(sizes), "context": context}
     path = _cache_file("cost", key)
     if use_cache and path.is_file():
         return {int(k): v for k, v in json.loads(path.read_text()).items()}
@@ -82,6 +78,15 @@ def measure_cost_curve(target, sizes=COST_SIZES, context: int = 256, reps: int =
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(curve))
     return curve
+
+
+def _machine_key(target) -> dict:
+    """What a measured cost depends on besides the model: cached results are keyed on it."""
+    return {"target": target.name, "device": str(target.device), "dtype": str(target.base.dtype),
+            "threads": torch.get_num_threads(),
+            "mkl_on_amd": mkl_on_amd_active(),  # MKL's AVX-512 path changes the whole curve
+            "lm_head": type(target.lm_head).__name__,  # so do the weight layouts (cpu_matmul.py)
+            "attention": getattr(target.config, "_attn_implementation", None)}  # and attention.py
 
 
 def _sync(target):
@@ -125,9 +130,10 @@ def calibrate(engine: Engine, top_ks=(2, 4, 6), big: int = 48, max_new_tokens: i
     for k in top_ks:
         for depth in DEPTHS:  # short runs: only the drafting time is read
             runs = [run_to_end(engine, ids[0], GenerationSettings(max_new_tokens=16, tree=_tree(k, 8, depth)))
-                    for _ in range(2)]
-            draft_ms[f"{k}/{depth}"] = statistics.median(
-                r.stats.draft_s / max(r.stats.forward_passes - 1, 1) * 1e3 for r in runs)
+                    for _ in range(3)]
+            # The fastest of three: other work on the machine only ever adds time, and one
+            # disturbed run must not make a cheap tree look dear.
+            draft_ms[f"{k}/{depth}"] = min(r.stats.draft_s / max(r.stats.forward_passes - 1, 1) * 1e3 for r in runs)
     return {"traces": traces, "draft_ms": draft_ms}
 
 
@@ -135,8 +141,7 @@ def choose_tree(engine: Engine, use_cache: bool = True, log=None) -> tuple[TreeS
     """The tree that maximises expected tokens/s here. Returns (settings, report)."""
     heads = engine.heads
     fingerprint = float(sum(p.double().sum() for p in heads.parameters())) if heads is not None else 0.0
-    key = {"target": engine.target.name, "device": str(engine.target.device), "heads": fingerprint,
-           "threads": torch.get_num_threads(), "mkl_on_amd": mkl_on_amd_active(), "depths": list(DEPTHS)}
+    key = {**_machine_key(engine.target), "heads": fingerprint, "depths": list(DEPTHS)}
     path = _cache_file("choice", key)
     if use_cache and path.is_file():
         report = json.loads(path.read_text())
