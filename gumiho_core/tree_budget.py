@@ -32,11 +32,14 @@ from .verify import run_target, tree_attention_mask
 # vector kernels on a CPU), a one- or two-token draft is the tree that pays.
 COST_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)
 DEPTHS = (1, 2, 3, 4, 5, 7)
+CALIBRATION_TOKENS = 80  # per prompt: long enough to leave the easy opening words
 CALIBRATION_PROMPTS = [
     "Explain how a bicycle works, step by step.",
     "Write a short email inviting a colleague to lunch on Friday.",
     "def fibonacci(n):\n    # return the n-th Fibonacci number\n",
     "A shop sells pens at 3 dollars each. How much do 7 pens cost? Explain.",
+    "Describe a rainy evening in a small harbour town, in the voice of an old fisherman.",
+    "What are the main causes of inflation, and how do central banks respond to it?",
 ]
 
 
@@ -46,7 +49,7 @@ def _cache_file(kind: str, key: dict):
 
 
 @torch.inference_mode()
-def measure_cost_curve(target, sizes=COST_SIZES, context: int = 256, reps: int = 5, use_cache=True) -> dict:
+def measure_cost_curve(target, sizes=COST_SIZES, context: int = 256, reps: int = 7, use_cache=True) -> dict:
     """{tree tokens: median ms of one verification pass} at `context` cached tokens."""
     from transformers import DynamicCache
 
@@ -58,23 +61,26 @@ def measure_cost_curve(target, sizes=COST_SIZES, context: int = 256, reps: int =
     prefix = torch.randint(0, target.vocab_size, (context,), generator=g).to(target.device)
     cache = DynamicCache(config=target.config)
     run_target(target, cache, prefix, torch.arange(context, device=target.device), logits_for=[-1])
-    curve = {}
-    for n in sizes:
-        # A chain is as costly as any tree of n nodes: the cost depends on n, not the shape.
-        tree = DraftTree(torch.randint(0, target.vocab_size, (n,), generator=g), [-1, *range(n - 1)],
-                         list(range(n)), ["root"] + ["serial"] * (n - 1))
-        mask = tree_attention_mask(tree, context, target.base.dtype, target.device) if n > 1 else None
-        times = []
-        for _ in range(reps + 1):
+    # A chain is as costly as any tree of n nodes: the cost depends on n, not the shape.
+    trees = {n: DraftTree(torch.randint(0, target.vocab_size, (n,), generator=g), [-1, *range(n - 1)],
+                          list(range(n)), ["root"] + ["serial"] * (n - 1)) for n in sizes}
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for rep in range(reps + 1):
+        for n in sizes:  # sizes interleaved, so a burst of other work spreads over all of them
+            tree = trees[n]
             _sync(target)
             start = time.perf_counter()
-            run_target(target, cache, tree.tokens.to(target.device),
-                       context + torch.tensor(tree.depths, device=target.device), mask)
+            # What a verification step does besides the pass: the mask, and the greedy choices.
+            mask = tree_attention_mask(tree, context, target.base.dtype, target.device) if n > 1 else None
+            _, logits = run_target(target, cache, tree.tokens.to(target.device),
+                                   context + torch.tensor(tree.depths, device=target.device), mask)
+            logits.argmax(-1).tolist()
             _sync(target)
-            times.append((time.perf_counter() - start) * 1e3)
-            for layer in cache.layers:  # back to the prefix for the next repeat
+            if rep:  # the first round warms up
+                times[n].append((time.perf_counter() - start) * 1e3)
+            for layer in cache.layers:  # back to the prefix for the next pass
                 layer.keys, layer.values = layer.keys[:, :, :context], layer.values[:, :, :context]
-        curve[n] = statistics.median(times[1:])
+    curve = {n: statistics.median(times[n]) for n in sizes}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(curve))
     return curve
@@ -111,7 +117,8 @@ def _tree(top_k: int, total_tokens: int, depth: int) -> TreeSettings:
                         fta=False, fta_tokens=0)
 
 
-def calibrate(engine: Engine, top_ks=(2, 4, 6), big: int = 48, max_new_tokens: int = 48) -> dict:
+def calibrate(engine: Engine, top_ks=(2, 4, 6), big: int = 48,
+              max_new_tokens: int = CALIBRATION_TOKENS) -> dict:
     """Per top_k: the traced (tree, path) steps of a large-tree run over the built-in prompts,
     and the drafting time per step at each depth (a depth-1 draft skips the second serial
     step and the MLP heads, so it costs a fraction of a depth-7 one)."""
@@ -141,7 +148,8 @@ def choose_tree(engine: Engine, use_cache: bool = True, log=None) -> tuple[TreeS
     """The tree that maximises expected tokens/s here. Returns (settings, report)."""
     heads = engine.heads
     fingerprint = float(sum(p.double().sum() for p in heads.parameters())) if heads is not None else 0.0
-    key = {**_machine_key(engine.target), "heads": fingerprint, "depths": list(DEPTHS)}
+    key = {**_machine_key(engine.target), "heads": fingerprint, "depths": list(DEPTHS),
+           "calibration": [CALIBRATION_PROMPTS, CALIBRATION_TOKENS]}  # a new calibration must not reuse an old choice
     path = _cache_file("choice", key)
     if use_cache and path.is_file():
         report = json.loads(path.read_text())
