@@ -47,27 +47,48 @@ def read_prompts(path: str | Path, limit: int | None = None) -> list[str]:
 
 
 class PeakRSS:
-    """Highest resident memory of this process while the block runs (sampled every 5 ms)."""
+    """Highest resident memory of this process while the block runs.
+
+    On Linux the kernel keeps the high-water mark (VmHWM) and resets it on request, so
+    nothing runs beside the measured code. Elsewhere a thread samples every 100 ms: a 5 ms
+    sampler cost plain decoding 16 % and speculative decoding 20 % of their speed here.
+    """
+
+    STATUS, CLEAR = Path("/proc/self/status"), Path("/proc/self/clear_refs")
 
     def __enter__(self):
-        import psutil
+        self._thread = None
+        try:
+            self.CLEAR.write_text("5")  # "5": reset the peak RSS to the current RSS
+            self.peak = self._kernel_peak()
+        except OSError:
+            import psutil
 
-        self.process = psutil.Process()
-        self.peak = self.process.memory_info().rss
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
-        self._thread.start()
+            self.process = psutil.Process()
+            self.peak = self.process.memory_info().rss
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=self._watch, daemon=True)
+            self._thread.start()
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         return self
 
+    def _kernel_peak(self) -> int:
+        for line in self.STATUS.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+        raise OSError("no VmHWM line")
+
     def _watch(self):
-        while not self._stop.wait(0.005):
+        while not self._stop.wait(0.1):
             self.peak = max(self.peak, self.process.memory_info().rss)
 
     def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
+        if self._thread is None:
+            self.peak = self._kernel_peak()
+        else:
+            self._stop.set()
+            self._thread.join()
         self.gpu_peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
         return False
 

@@ -56,3 +56,16 @@ def test_prompt_files(tmp_path):
     f.write_text("not json\n")
     with pytest.raises(GumihoError, match="p.jsonl:1"):
         read_prompts(f)
+
+
+def test_peak_memory_is_per_block_and_needs_no_sampler():
+    from gumiho_core.benchmark import PeakRSS
+
+    with PeakRSS() as big:
+        buffer = bytearray(200 * 2**20)  # written, so resident
+        del buffer
+    with PeakRSS() as small:
+        pass
+    assert big.peak - small.peak > 150 * 2**20  # the second block's peak was reset, not the process's
+    if PeakRSS.CLEAR.exists():
+        assert big._thread is None  # Linux: the kernel's high-water mark, nothing runs beside the code
