@@ -50,8 +50,8 @@ class PeakRSS:
     """Highest resident memory of this process while the block runs.
 
     On Linux the kernel keeps the high-water mark (VmHWM) and resets it on request, so
-    nothing runs beside the measured code. Elsewhere a thread samples every 100 ms: a 5 ms
-    sampler cost plain decoding 16 % and speculative decoding 20 % of their speed here.
+    nothing runs beside the measured code. Elsewhere a thread samples every 100 ms: waking
+    every 5 ms, it slowed a plain step from 36.7 to 43.8 ms on a short check here.
     """
 
     STATUS, CLEAR = Path("/proc/self/status"), Path("/proc/self/clear_refs")
