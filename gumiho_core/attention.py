@@ -7,7 +7,7 @@ the layer's cache, every layer, every verification pass. For SmolLM2-135M (9 que
 
 Instead the query heads that share a KV head are stacked along the query axis:
 (B, H, T, d) -> (B, H_kv, n_rep * T, d), the mask repeated n_rep times along that axis,
-and one SDPA call per KV head does the same dot products, softmaxes and weighted sums as
+and one SDPA call over the KV heads does the same dot products, softmaxes and weighted sums as
 before, each query row over exactly the same keys with the same mask row. transformers does
 this itself for one query token (`pack_gqa`); this extends it to trees.
 """
@@ -23,17 +23,15 @@ NAME = "gumiho_sdpa"
 
 def packed_gqa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     n_rep = getattr(module, "num_key_value_groups", 1)
-    q_len = query.shape[2]
-    if n_rep == 1 or q_len == 1 or attention_mask is None or kwargs.get("position_bias") is not None:
+    b, h, q_len, d = query.shape
+    # One query, no mask or a per-head mask (it cannot be shared across a group): transformers' own path.
+    if (n_rep == 1 or q_len == 1 or attention_mask is None or attention_mask.shape[1] != 1
+            or kwargs.get("position_bias") is not None):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
-    b, h, _, d = query.shape
     q = query.reshape(b, h // n_rep, n_rep * q_len, d)  # head kv*n_rep + r -> rows r*T .. r*T+T-1
-    mask = attention_mask.expand(b, 1, q_len, -1) if attention_mask.shape[1] == 1 else None
-    if mask is None:  # a per-head mask cannot be shared across a group: keep transformers' own path
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, **kwargs)
-    mask = mask.repeat(1, 1, n_rep, 1)  # (B, 1, n_rep * T, kv): row r*T + t is query t's row
+    # (B, 1, n_rep * T, kv): row r*T + t is query t's row
+    mask = attention_mask.expand(b, 1, q_len, -1).repeat(1, 1, n_rep, 1)
     out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=mask, dropout_p=dropout,
                                                            scale=scaling)
     return out.reshape(b, h, q_len, d).transpose(1, 2).contiguous(), None

@@ -69,9 +69,14 @@ def use_fast_cpu_layouts(model: nn.Module) -> int:
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if _swappable(child):
-                setattr(parent, name, WeightFirstLinear(child) if child is lm_head else TransposedLinear(child))
+                setattr(parent, name, WeightFirstLinear(child) if child is lm_head else fast_linear(child))
                 swapped += 1
     return swapped
+
+
+def fast_linear(linear: nn.Linear) -> nn.Module:
+    """`linear` itself in the fast layout where one applies (for a layer the caller owns)."""
+    return TransposedLinear(linear) if _swappable(linear) else linear
 
 
 def fast_cpu_copy(module: nn.Module) -> nn.Module:

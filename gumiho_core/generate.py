@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
+from .cpu_matmul import fast_cpu_copy
 from .draft_tree import DraftTree, build_draft_tree
 from .errors import ContextTooLong, GumihoError
 from .events import DoneEvent, GenerationStats, StepEvent, TokenPiece
-from .cpu_matmul import fast_cpu_copy
 from .heads import DraftHead, GumihoHeads
 from .sampling import TokenChooser
 from .settings import GenerationSettings

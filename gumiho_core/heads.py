@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cpu_matmul import fast_cpu_copy
+from .cpu_matmul import fast_linear
 from .errors import GumihoError
 
 WEIGHTS_FILE = "heads.safetensors"
@@ -285,7 +285,7 @@ class DraftHead:
             rows.weight.data = lm_head.weight.detach()[token_ids].contiguous()
             if bias is not None:
                 rows.bias.data = bias.detach()[token_ids]
-            self.project = fast_cpu_copy(rows.requires_grad_(False))
+            self.project = fast_linear(rows.requires_grad_(False))  # our own layer: no copy needed
 
     def log_probs(self, x: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax(self.project(x.to(self.dtype)).float(), dim=-1)

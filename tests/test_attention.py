@@ -6,11 +6,11 @@ import copy
 import torch
 from transformers import DynamicCache
 
-from gumiho_core import Engine, GenerationSettings, TreeSettings, new_heads, run_to_end
+from gumiho_core import Engine, TreeSettings, new_heads
 from gumiho_core.attention import NAME, use_packed_gqa
 from gumiho_core.draft_tree import DraftTree
 from gumiho_core.verify import run_target, tree_attention_mask
-from tiny import random_prompts, tiny_target
+from tiny import assert_lossless, random_prompts, tiny_target
 
 
 def tree_logits(target, prompt, tree):
@@ -38,12 +38,7 @@ def test_decoding_with_packed_attention_is_lossless():
     use_packed_gqa(target.model)
     engine = Engine(target, new_heads(target))
     tree = TreeSettings(top_k=3, total_tokens=12, depth=4, mlp_topk=3, pruning=6)
-    for prompt in random_prompts(4, seed=22):
-        spec = run_to_end(engine, prompt, GenerationSettings(max_new_tokens=24, tree=tree))
-        plain = run_to_end(engine, prompt, GenerationSettings(max_new_tokens=24, speculative=False))
-        hf = target.model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                   max_new_tokens=24, do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
-        assert spec.token_ids == plain.token_ids == hf
+    assert_lossless(engine, random_prompts(4, seed=22), tree)
 
 
 def test_other_attention_choices_are_left_alone():

@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from gumiho_core import Engine, GenerationSettings, TreeSettings, new_heads, run_to_end
+from gumiho_core import Engine, TreeSettings, new_heads
 from gumiho_core.cpu_matmul import TransposedLinear, WeightFirstLinear, fast_cpu_copy, use_fast_cpu_layouts
-from tiny import random_prompts, tiny_target
+from tiny import assert_lossless, random_prompts, tiny_target
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -40,12 +40,7 @@ def test_decoding_with_swapped_target_is_lossless():
     use_fast_cpu_layouts(target.model)
     engine = Engine(target, new_heads(target))
     tree = TreeSettings(top_k=3, total_tokens=12, depth=4, mlp_topk=3, pruning=6)
-    for prompt in random_prompts(4, seed=21):
-        spec = run_to_end(engine, prompt, GenerationSettings(max_new_tokens=24, tree=tree))
-        plain = run_to_end(engine, prompt, GenerationSettings(max_new_tokens=24, speculative=False))
-        hf = target.model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                   max_new_tokens=24, do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
-        assert spec.token_ids == plain.token_ids == hf
+    assert_lossless(engine, random_prompts(4, seed=21), tree)
 
 
 def test_engine_copies_heads_and_leaves_the_callers_module_alone():

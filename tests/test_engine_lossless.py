@@ -16,7 +16,7 @@ import torch
 from gumiho_core import Engine, GenerationSettings, TreeSettings, new_heads, run_to_end
 from gumiho_core.draft_tree import DraftTree
 from gumiho_core import generate as generate_module
-from tiny import EOS, random_prompts, tiny_target
+from tiny import EOS, hf_greedy, random_prompts, tiny_target
 
 TREES = [
     TreeSettings(),
@@ -25,14 +25,6 @@ TREES = [
     TreeSettings(top_k=1, total_tokens=4, depth=2, mlp_topk=1, pruning=1, fta=True, fta_tokens=1),
     TreeSettings(top_k=3, total_tokens=12, depth=1, fta=False, fta_tokens=0),
 ]
-
-
-def hf_greedy(target, prompt, max_new_tokens):
-    out = target.model.generate(
-        torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
-    )
-    return out[0, len(prompt):].tolist()
 
 
 @pytest.fixture(scope="module")

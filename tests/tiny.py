@@ -55,3 +55,22 @@ def random_prompts(n: int, seed: int = 1, vocab: int = VOCAB, lo: int = 3, hi: i
         length = int(torch.randint(lo, hi, (1,), generator=g))
         out.append([1] + torch.randint(3, vocab, (length,), generator=g).tolist())
     return out
+
+
+def hf_greedy(target: Target, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' own greedy continuation: the reference every lossless test compares with."""
+    out = target.model.generate(
+        torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
+    )
+    return out[0, len(prompt):].tolist()
+
+
+def assert_lossless(engine, prompts: list[list[int]], tree, max_new_tokens: int = 24) -> None:
+    """Speculative == plain == transformers generate, token for token, on every prompt."""
+    from gumiho_core import GenerationSettings, run_to_end
+
+    for prompt in prompts:
+        spec = run_to_end(engine, prompt, GenerationSettings(max_new_tokens=max_new_tokens, tree=tree))
+        plain = run_to_end(engine, prompt, GenerationSettings(max_new_tokens=max_new_tokens, speculative=False))
+        assert spec.token_ids == plain.token_ids == hf_greedy(engine.target, prompt, max_new_tokens)
