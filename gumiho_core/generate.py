@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .cpu_matmul import fast_cpu_copy
+from .cpu_matmul import fast_cpu_copy, pack_for_rows
 from .draft_tree import DraftTree, build_draft_tree
 from .errors import ContextTooLong, GumihoError
 from .events import DoneEvent, GenerationStats, StepEvent, TokenPiece
@@ -102,6 +102,8 @@ class Engine:
             raise GumihoError("speculative decoding needs draft heads, and none are loaded")
         prompt_ids = self._fit_context(list(prompt_ids), settings)
         with self.lock, torch.inference_mode():
+            if settings.speculative:  # most tree passes have exactly total_tokens rows (cpu_matmul.py)
+                pack_for_rows(self.target.model, settings.tree.total_tokens)
             reuse, self.prefix = (self.prefix if self.reuse_prefix else None), None
             run = _Run(self, prompt_ids, settings, cancel, reuse)
             self.last_run = run  # kept for inspection: its target cache, its counters

@@ -21,6 +21,7 @@ from dataclasses import asdict
 
 import torch
 
+from .cpu_matmul import PACKING_AVAILABLE, pack_for_rows
 from .draft_tree import DraftTree
 from .generate import Engine, run_to_end
 from .mkl_on_amd import active as mkl_on_amd_active
@@ -68,6 +69,7 @@ def measure_cost_curve(target, sizes=COST_SIZES, context: int = 256, reps: int =
     for rep in range(reps + 1):
         for n in sizes:  # sizes interleaved, so a burst of other work spreads over all of them
             tree = trees[n]
+            pack_for_rows(target.model, n)  # as generation does for its tree size (not timed)
             _sync(target)
             start = time.perf_counter()
             # What a verification step does besides the pass: the mask, and the greedy choices.
@@ -92,6 +94,7 @@ def _machine_key(target) -> dict:
             "threads": torch.get_num_threads(),
             "mkl_on_amd": mkl_on_amd_active(),  # MKL's AVX-512 path changes the whole curve
             "lm_head": type(target.lm_head).__name__,  # so do the weight layouts (cpu_matmul.py)
+            "packed_sgemm": PACKING_AVAILABLE,
             "attention": getattr(target.config, "_attn_implementation", None)}  # and attention.py
 
 

@@ -7,8 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from gumiho_core import Engine, TreeSettings, new_heads
-from gumiho_core.cpu_matmul import TransposedLinear, WeightFirstLinear, fast_cpu_copy, use_fast_cpu_layouts
+from gumiho_core import Engine, GenerationSettings, TreeSettings, new_heads, run_to_end
+from gumiho_core.cpu_matmul import (PACKING_AVAILABLE, TransposedLinear, WeightFirstLinear, fast_cpu_copy,
+                                    pack_for_rows, use_fast_cpu_layouts)
 from tiny import assert_lossless, random_prompts, tiny_target
 
 
@@ -22,6 +23,39 @@ def test_layouts_compute_what_linear_computes(layout, bias):
     for shape in [(1, 48), (3, 48), (16, 48), (1, 5, 48), (2, 7, 48)]:
         x = torch.randn(shape)
         torch.testing.assert_close(fast(x), linear(x), rtol=1e-5, atol=1e-5)
+
+
+needs_packing = pytest.mark.skipif(not PACKING_AVAILABLE, reason="PyTorch built without MKL")
+
+
+@needs_packing
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("layout", [TransposedLinear, WeightFirstLinear])
+def test_packed_weights_compute_what_linear_computes(layout, bias):
+    torch.manual_seed(1)
+    linear = nn.Linear(48, 80, bias=bias)
+    fast = layout(linear)
+    fast.pack(5)
+    assert fast.packed[0] == 5
+    for shape in [(5, 48), (1, 5, 48), (4, 48), (6, 48), (1, 48)]:  # the packed size and the fallbacks
+        x = torch.randn(shape)
+        torch.testing.assert_close(fast(x), linear(x), rtol=1e-5, atol=1e-5)
+    fast.pack(None)
+    assert fast.packed is None
+
+
+@needs_packing
+def test_engine_packs_the_tree_size_and_stays_lossless():
+    target = tiny_target(seed=3, eos=False, tied=True)
+    use_fast_cpu_layouts(target.model)
+    engine = Engine(target, new_heads(target))
+    tree = TreeSettings(top_k=3, total_tokens=6, depth=3, mlp_topk=3, pruning=6, fta=False, fta_tokens=0)
+    assert_lossless(engine, random_prompts(4, seed=5), tree)
+    assert target.lm_head.packed[0] == 6
+    engine.trace_trees = True
+    run_to_end(engine, random_prompts(1, seed=6)[0], GenerationSettings(max_new_tokens=12, tree=tree))
+    assert all(len(t) == 6 for t, _ in engine.last_run.trace)  # so every pass took the packed kernel
+    assert pack_for_rows(target.model, None) == 0
 
 
 def test_target_swap_keeps_logits_and_tied_embeddings():
