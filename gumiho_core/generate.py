@@ -102,8 +102,11 @@ class Engine:
             raise GumihoError("speculative decoding needs draft heads, and none are loaded")
         prompt_ids = self._fit_context(list(prompt_ids), settings)
         with self.lock, torch.inference_mode():
-            if settings.speculative:  # most tree passes have exactly total_tokens rows (cpu_matmul.py)
-                pack_for_rows(self.target.model, settings.tree.total_tokens)
+            if settings.speculative:  # the row counts most products will have (cpu_matmul.py):
+                pack_for_rows(self.target.model, settings.tree.total_tokens)  # tree passes
+                pack_for_rows(self.heads, settings.tree.top_k)  # drafting below depth 1: one row per beam
+                if self.draft_head.project is not self.target.lm_head:  # a draft vocabulary of its own
+                    pack_for_rows(self.draft_head.project, settings.tree.top_k)
             reuse, self.prefix = (self.prefix if self.reuse_prefix else None), None
             run = _Run(self, prompt_ids, settings, cancel, reuse)
             self.last_run = run  # kept for inspection: its target cache, its counters
