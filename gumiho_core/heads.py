@@ -130,10 +130,8 @@ class Attention(nn.Module):
         k = k * cos + _rotate_half(k) * sin
         if cache is not None:
             k, v = cache.append(layer, k, v)
-        if self.n_kv != self.n_heads:
-            k = k.repeat_interleave(self.n_heads // self.n_kv, dim=1)
-            v = v.repeat_interleave(self.n_heads // self.n_kv, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        # enable_gqa: query heads share KV heads inside SDPA, no repeated copy of the cache.
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 

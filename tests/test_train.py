@@ -9,7 +9,7 @@ import torch
 from gumiho_core import Engine, GenerationSettings, HeadCheckpoint, run_to_end
 from gumiho_core.train import train
 from gumiho_core.train_data import generate_dataset, load_conversations
-from tiny import random_prompts, tiny_target
+from tiny import hf_greedy, random_prompts, tiny_target
 
 
 @pytest.fixture(scope="module")
@@ -32,10 +32,18 @@ def quiet(_):
 def test_data_folder_holds_the_targets_own_answers(target, data):
     conversations = load_conversations(data)
     assert len(conversations) == 24
-    c = conversations[0]
-    with torch.no_grad():
-        feats = target.base(input_ids=c["input_ids"][None]).last_hidden_state[0]
-    torch.testing.assert_close(c["features"], feats, atol=2e-3, rtol=2e-3)  # stored as float16
+    prompts = random_prompts(24, seed=3)
+    for c, prompt in zip(conversations, prompts):
+        ids = c["input_ids"].tolist()
+        answer = hf_greedy(target, prompt, 32)
+        # Prompt + the target's own greedy answer; an answer that runs to the batch's last
+        # step loses its final token (features are caught while generating, see train_data.py).
+        assert ids[: len(prompt)] == prompt
+        kept = ids[len(prompt):]
+        assert kept == answer[: len(kept)] and len(kept) >= len(answer) - 1
+        with torch.no_grad():  # the features are what an unpadded pass over the conversation gives
+            feats = target.base(input_ids=c["input_ids"][None]).last_hidden_state[0]
+        torch.testing.assert_close(c["features"], feats, atol=2e-3, rtol=2e-3)  # stored as float16
 
 
 def test_tiny_run_gives_heads_that_load_and_decode_losslessly(target, data, tmp_path):
