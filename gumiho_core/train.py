@@ -315,6 +315,13 @@ def train(
             log(f"note: this run was planned for {planned} epochs and now runs {epochs}: the learning-rate "
                 "schedule changes from here on, so it will not equal an uninterrupted run of either length")
 
+    start_metrics = None
+    if init is not None and val and start_epoch == 0:
+        # The yardstick for a warm start: the same validation of the heads it starts from, so
+        # the log says whether the new data improves on them (or the restart hurt them).
+        start_metrics = evaluate(accelerator.unwrap_model(model), val, batch_size, max_len)
+        log(f"starting heads: {_format_metrics(start_metrics)}")
+
     step = start_epoch * steps_per_epoch
     hidden = target.hidden_size
     for epoch in range(start_epoch, epochs):
@@ -349,19 +356,25 @@ def train(
         entry = {"epoch": epoch + 1, "step": step, "train_loss": sum(losses) / max(len(losses), 1),
                  "seconds": time.time() - started, **metrics}
         history.append(entry)
-        acc = " ".join(f"d{i + 1} {a:.2f}" for i, a in enumerate(metrics.get("accuracy_per_depth", [])))
-        log(f"epoch {epoch + 1}/{epochs}: train loss {entry['train_loss']:.4f}, val loss {metrics.get('loss', 0):.4f}, "
-            f"accuracy {acc}, tau estimate {metrics.get('tau_estimate', 0):.2f} ({entry['seconds']:.0f} s)")
+        log(f"epoch {epoch + 1}/{epochs}: train loss {entry['train_loss']:.4f}, {_format_metrics(metrics)} "
+            f"({entry['seconds']:.0f} s)")
         accelerator.save_state(str(state_dir))  # every process: RNG files per rank, sharded optimizers
         if accelerator.is_main_process:
             heads_out = accelerator.unwrap_model(model).heads
             HeadCheckpoint.save(heads_out, out_dir / "heads", training={
                 "data": str(data_dir), "init": str(init) if init is not None else None, "conversations": len(train_set), "tokens": sum(len(c["input_ids"]) for c in train_set),
                 "epochs": epoch + 1, "lr": lr, "batch_size": batch_size, "history": history})
-            progress_file.write_text(json.dumps({"epoch": epoch + 1, "step": step, "planned_epochs": epochs,
-                                                 "history": history}, indent=1))
+            record = {"epoch": epoch + 1, "step": step, "planned_epochs": epochs, "history": history}
+            if start_metrics is not None:
+                record["start"] = start_metrics
+            progress_file.write_text(json.dumps(record, indent=1))
         accelerator.wait_for_everyone()
-    return {"history": history, "heads": str(out_dir / "heads")}
+    return {"history": history, "heads": str(out_dir / "heads"), "start": start_metrics}
+
+
+def _format_metrics(metrics: dict) -> str:
+    acc = " ".join(f"d{i + 1} {a:.2f}" for i, a in enumerate(metrics.get("accuracy_per_depth", [])))
+    return f"val loss {metrics.get('loss', 0):.4f}, accuracy {acc}, tau estimate {metrics.get('tau_estimate', 0):.2f}"
 
 
 # -- tiny heads for engine tests -------------------------------------------------------------------

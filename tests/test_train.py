@@ -115,6 +115,10 @@ def test_init_starts_a_new_run_from_trained_heads(target, data, tmp_path):
     heads = HeadCheckpoint.load(warm["heads"])
     assert torch.equal(heads.draft_vocab, start.draft_vocab)
     assert warm["history"][0]["loss"] < first["history"][0]["loss"]  # it did not start from scratch
+    # The starting heads were validated first, on the same held-out conversations: what
+    # the first run's last epoch measured, since they are those heads.
+    assert warm["start"]["loss"] == pytest.approx(first["history"][-1]["loss"], rel=1e-5)
+    assert first["start"] is None
     meta = json.loads((tmp_path / "b" / "heads" / "heads.json").read_text())
     assert meta["training"]["init"] == first["heads"]
 
