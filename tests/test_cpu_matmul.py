@@ -20,7 +20,11 @@ def test_layouts_compute_what_linear_computes(layout, bias):
     linear = nn.Linear(48, 80, bias=bias)
     fast = layout(linear)
     torch.testing.assert_close(fast.weight, linear.weight, rtol=0, atol=0)
-    for shape in [(1, 48), (3, 48), (16, 48), (1, 5, 48), (2, 7, 48)]:
+    assert_computes_like(linear, fast, [(1, 48), (3, 48), (16, 48), (1, 5, 48), (2, 7, 48)])
+
+
+def assert_computes_like(linear, fast, shapes):
+    for shape in shapes:
         x = torch.randn(shape)
         torch.testing.assert_close(fast(x), linear(x), rtol=1e-5, atol=1e-5)
 
@@ -37,9 +41,7 @@ def test_packed_weights_compute_what_linear_computes(layout, bias):
     fast = layout(linear)
     fast.pack(5)
     assert fast.packed[0] == 5
-    for shape in [(5, 48), (1, 5, 48), (4, 48), (6, 48), (1, 48)]:  # the packed size and the fallbacks
-        x = torch.randn(shape)
-        torch.testing.assert_close(fast(x), linear(x), rtol=1e-5, atol=1e-5)
+    assert_computes_like(linear, fast, [(5, 48), (1, 5, 48), (4, 48), (6, 48), (1, 48)])  # packed size, fallbacks
     fast.pack(None)
     assert fast.packed is None
 
