@@ -61,12 +61,18 @@ def test_prompt_files(tmp_path):
 def test_peak_memory_is_per_block_and_needs_no_sampler():
     from gumiho_core.benchmark import PeakRSS
 
+    import mmap
     import time
 
     with PeakRSS() as big:
-        buffer = bytearray(200 * 2**20)  # written, so resident
+        # Fresh anonymous pages, written so they are resident, and returned to the kernel on
+        # close: a bytearray may instead reuse heap memory that earlier tests left resident,
+        # which raises no mark at all.
+        buffer = mmap.mmap(-1, 200 * 2**20)
+        for start in range(0, len(buffer), 2**20):
+            buffer[start : start + 2**20] = b"x" * 2**20
         time.sleep(0.3)  # long enough for the 100 ms sampler, where the kernel's mark is not available
-        del buffer
+        buffer.close()
     with PeakRSS() as small:
         pass
     assert big.peak - small.peak > 150 * 2**20  # the second block's peak was reset, not the process's
