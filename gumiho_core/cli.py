@@ -75,10 +75,13 @@ def load_engine(args, need_heads: bool = True):
     from .heads import HeadCheckpoint, new_heads
     from .target import load_target
 
+    if args.heads:
+        from .published import heads_layout, load_heads
+
+        heads_layout(Path(args.heads))  # a wrong path fails before the target loads
     target = load_target(args.model, dtype=args.dtype, quantize=args.quantize, device=args.device)
     heads, note = None, ""
     if args.heads:
-        from .published import load_heads
 
         heads = load_heads(args.heads, target)
         note = str(args.heads)

@@ -38,14 +38,22 @@ DROPPED = {"embed_tokens.weight"}
 def load_heads(path, target=None, device=None, dtype=None) -> GumihoHeads:
     """Heads from a folder in our format or in the published amd/Gumiho-* layout."""
     folder = Path(path)
+    if heads_layout(folder) == "ours":
+        return HeadCheckpoint.load(folder, target, device, dtype)
+    return load_published(folder, target, device, dtype)
+
+
+def heads_layout(folder: Path) -> str:
+    """Which layout a heads folder holds, "ours" or "published"; a clear error for anything
+    else. Cheap, so the CLI checks the path before spending seconds loading the target."""
     if not folder.exists():
         raise GumihoError(f"heads not found: {folder}")
     if not folder.is_dir():
         raise GumihoError(f"heads must be a folder, got the file {folder}")
     if (folder / CONFIG_FILE).is_file() or (folder / WEIGHTS_FILE).is_file():
-        return HeadCheckpoint.load(folder, target, device, dtype)
+        return "ours"
     if (folder / PUBLISHED_CONFIG).is_file() and _weights_file(folder) is not None:
-        return load_published(folder, target, device, dtype)
+        return "published"
     raise GumihoError(
         f"{folder} is not a heads checkpoint: expected {CONFIG_FILE} + {WEIGHTS_FILE} (ours) or "
         f"{PUBLISHED_CONFIG} + {' / '.join(WEIGHT_CHOICES)} (amd/Gumiho-* layout)"
