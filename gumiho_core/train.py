@@ -239,6 +239,10 @@ def evaluate(model: DraftTrainer, conversations: list[dict], batch_size: int, ma
 # -- the loop -------------------------------------------------------------------------------------
 
 
+def cpu_has_native_bf16() -> bool:
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def train(
     target,
     data_dir: str | Path,
@@ -275,6 +279,9 @@ def train(
     if mixed_precision not in ("no", "bf16"):
         raise GumihoError(f"mixed_precision must be 'no' or 'bf16' (got {mixed_precision!r})")
     accelerator = Accelerator(gradient_accumulation_steps=grad_accum, cpu=not torch.cuda.is_available())
+    if mixed_precision == "bf16" and accelerator.device.type == "cpu" and not cpu_has_native_bf16():
+        log("warning: this CPU has no native bf16 (AVX512-BF16 or AMX), so bf16 autocast is emulated "
+            "and far slower (95 s instead of 2.8 s a batch on an AVX2 machine): use --mixed-precision no")
     set_seed(seed)
     state_dir = out_dir / "state"
     progress_file = out_dir / "progress.json"

@@ -97,9 +97,15 @@ def test_resume_continues_where_it_stopped(target, data, tmp_path):
     assert any("planned for 3 epochs and now runs 4" in line for line in lines)
 
 
-def test_bf16_mixed_precision_trains_and_keeps_float32_weights(target, data, tmp_path):
+def test_bf16_mixed_precision_trains_and_keeps_float32_weights(target, data, tmp_path, monkeypatch):
+    import gumiho_core.train as train_module
+
+    monkeypatch.setattr(train_module, "cpu_has_native_bf16", lambda: False)  # as on an AVX2-only CPU
+    lines = []
     result = train(target, data, tmp_path / "run", epochs=3, batch_size=4, lr=3e-3, warmup_steps=2,
-                   draft_vocab_size=96, mixed_precision="bf16", log=quiet)
+                   draft_vocab_size=96, mixed_precision="bf16", log=lines.append)
+    if not torch.cuda.is_available():
+        assert any(line.startswith("warning: this CPU has no native bf16") for line in lines)
     losses = [h["train_loss"] for h in result["history"]]
     assert losses[-1] < losses[0]
     heads = HeadCheckpoint.load(result["heads"])
