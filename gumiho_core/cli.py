@@ -82,7 +82,6 @@ def load_engine(args, need_heads: bool = True):
     target = load_target(args.model, dtype=args.dtype, quantize=args.quantize, device=args.device)
     heads, note = None, ""
     if args.heads:
-
         heads = load_heads(args.heads, target)
         note = str(args.heads)
     elif args.model is None and SHIPPED_HEADS.exists():
