@@ -37,6 +37,7 @@ ORIGIN_LABELS = {
     "serial": "serial head (accepted)",
     "mlp": "MLP head (accepted, darker = deeper)",
     "fta": "Full Tree Attention supplement (accepted)",
+    "lookup": "copied from earlier in the conversation (accepted)",
     "target": "target model's own token",
     "rejected": "rejected draft candidate",
 }
@@ -255,6 +256,7 @@ def legend_html() -> str:
         ("tok o-serial", "serial head"),
         *[(f"tok o-mlp d{d}", f"MLP d{d}") for d in (3, 5, 7)],
         ("tok o-fta", "FTA"),
+        ("tok o-lookup", "context lookup"),
         ("tok o-target", "target"),
         ("rej", "rejected draft"),
     ]

@@ -36,11 +36,13 @@ def add_tree_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mlp-topk", type=int, default=None, help=f"candidates per node at MLP depths ({d.mlp_topk})")
     p.add_argument("--pruning", type=int, default=None, help=f"nodes kept per MLP depth ({d.pruning})")
     p.add_argument("--no-fta", action="store_true", help="disable Full Tree Attention supplements")
+    p.add_argument("--lookup-tokens", type=int, default=None,
+                   help=f"tokens copied from the context as one more tree branch, 0 = off ({d.lookup_tokens})")
     p.add_argument("--auto-tree", action="store_true",
                    help="measure this machine's cost curve and the heads' acceptance, use the best tree")
 
 
-TREE_FLAGS = ("top_k", "total_tokens", "depth", "mlp_topk", "pruning")
+TREE_FLAGS = ("top_k", "total_tokens", "depth", "mlp_topk", "pruning", "lookup_tokens")
 
 
 def tree_from_args(args, base=None):

@@ -24,7 +24,7 @@ import torch
 from .heads import DraftCache, DraftHead, GumihoHeads
 from .settings import TreeSettings
 
-SERIAL, MLP, FTA = "serial", "mlp", "fta"
+SERIAL, MLP, FTA, LOOKUP = "serial", "mlp", "fta", "lookup"
 
 
 @dataclass
@@ -32,7 +32,7 @@ class DraftTree:
     tokens: torch.Tensor  # (N,) long; tokens[0] is the root
     parents: list[int]  # parents[0] == -1
     depths: list[int]  # depths[0] == 0
-    sources: list[str]  # "root", "serial", "mlp" or "fta"
+    sources: list[str]  # "root", "serial", "mlp", "fta" or "lookup"
     scores: list[float] | None = None  # cumulative draft log-probability per node
     children: list[list[int]] = field(default_factory=list)  # best first
 
@@ -61,6 +61,35 @@ class DraftTree:
         for node in range(1, n):
             mask[node] |= mask[self.parents[node]]
         return mask
+
+    def add_chain(self, chain: list[int], source: str = LOOKUP) -> "DraftTree":
+        """This tree with `chain` (tokens after the root) as one more path.
+
+        The chain follows existing nodes while their tokens agree and continues as new
+        nodes, so a guess the heads made too is verified once. New nodes go after every
+        existing one (their parents come first, as verification's layout requires) and
+        rank last among their siblings; their score is their parent's, which keeps them
+        out of the tree budget's calibration (tree_budget.accepted_length).
+        """
+        tokens, parents, depths = self.tokens.tolist(), list(self.parents), list(self.depths)
+        sources, children = list(self.sources), [list(kids) for kids in self.children]
+        scores = list(self.scores) if self.scores is not None else [0.0] * len(tokens)
+        node = 0
+        for token in chain:
+            same = next((c for c in children[node] if tokens[c] == token), None)
+            if same is None:
+                tokens.append(token)
+                parents.append(node)
+                depths.append(depths[node] + 1)
+                sources.append(source)
+                scores.append(scores[node])
+                children.append([])
+                children[node].append(len(tokens) - 1)
+                same = len(tokens) - 1
+            node = same
+        if len(tokens) == len(self):
+            return self
+        return DraftTree(torch.tensor(tokens, device=self.tokens.device), parents, depths, sources, scores, children)
 
     def retrieve_paths(self) -> list[list[int]]:
         """Root-to-leaf node paths, one per leaf."""

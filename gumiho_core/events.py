@@ -8,8 +8,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 # Where a token came from: accepted from the serial head, from an MLP head, from a Full
-# Tree Attention supplement, or the target's own (bonus) token.
-ORIGINS = ("serial", "mlp", "fta", "target")
+# Tree Attention supplement, copied from the context (context_lookup.py), or the target's
+# own (bonus) token.
+ORIGINS = ("serial", "mlp", "fta", "lookup", "target")
 
 
 @dataclass

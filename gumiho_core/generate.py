@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .context_lookup import continuation
 from .cpu_matmul import fast_cpu_copy, pack_for_rows
 from .draft_tree import DraftTree, build_draft_tree
 from .errors import ContextTooLong, GumihoError
@@ -255,7 +256,7 @@ class _Run:
         positions = torch.arange(start, start + len(shifted), device=self.device)
         out = heads.serial(u[None], positions, cache)[0]
         room = self.target.max_context - past_len - 1
-        return build_draft_tree(
+        tree = build_draft_tree(
             heads,
             self.target.embed_tokens,
             self.draft_head,
@@ -266,6 +267,9 @@ class _Run:
             self.settings.tree,
             max_depth=max(1, room),
         )
+        if self.settings.tree.lookup_tokens:
+            tree = tree.add_chain(continuation(self.context, min(self.settings.tree.lookup_tokens, max(1, room))))
+        return tree
 
     # -- bookkeeping ----------------------------------------------------------------------
     def _count_acceptance(self, tree: DraftTree, path: list[int]) -> None:

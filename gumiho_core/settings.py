@@ -27,6 +27,10 @@ class TreeSettings:
     pruning: int = 8  # nodes kept at each MLP depth, by cumulative log-probability
     fta: bool = True  # Full Tree Attention: extend short paths with tokens from longer ones
     fta_tokens: int = 2  # at most this many of total_tokens are spent on FTA supplements
+    # Context lookup (context_lookup.py): up to this many tokens that followed the last
+    # occurrence of the context's tail join the tree as one more branch, beyond
+    # total_tokens; 0 turns it off.
+    lookup_tokens: int = 8
 
     @classmethod
     def gpu(cls) -> "TreeSettings":
@@ -40,6 +44,7 @@ class TreeSettings:
             (self.mlp_topk >= 1, "mlp_topk must be at least 1"),
             (self.pruning >= 1, "pruning must be at least 1"),
             (0 <= self.fta_tokens < self.total_tokens - 1, "fta_tokens must be in [0, total_tokens - 1)"),
+            (self.lookup_tokens >= 0, "lookup_tokens must be at least 0"),
         ]
         for ok, message in checks:
             if not ok:

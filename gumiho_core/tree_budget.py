@@ -106,7 +106,7 @@ def _sync(target):
 
 def accepted_length(tree: DraftTree, path: list[int], budget: int, depth: int) -> int:
     """Drafts the sub-tree of the `budget - 1` best nodes within `depth` would have accepted."""
-    eligible = [i for i in range(1, len(tree)) if tree.depths[i] <= depth and tree.sources[i] != "fta"]
+    eligible = [i for i in range(1, len(tree)) if tree.depths[i] <= depth and tree.sources[i] not in ("fta", "lookup")]
     kept = set(sorted(eligible, key=lambda i: (-tree.scores[i], i))[: budget - 1])
     n = 0
     for node in path[1:]:
@@ -116,9 +116,10 @@ def accepted_length(tree: DraftTree, path: list[int], budget: int, depth: int) -
     return n
 
 
-def _tree(top_k: int, total_tokens: int, depth: int) -> TreeSettings:
+def _tree(top_k: int, total_tokens: int, depth: int, lookup_tokens: int = 0) -> TreeSettings:
+    # Calibration drafts with the heads alone (lookup 0): it measures what the heads accept.
     return TreeSettings(top_k=top_k, total_tokens=total_tokens, depth=depth, mlp_topk=top_k, pruning=2 * top_k,
-                        fta=False, fta_tokens=0)
+                        fta=False, fta_tokens=0, lookup_tokens=lookup_tokens)
 
 
 def calibrate(engine: Engine, top_ks=(2, 4, 6), big: int = 48,
@@ -170,7 +171,7 @@ def choose_tree(engine: Engine, use_cache: bool = True, log=None) -> tuple[TreeS
                                    "step_ms": ms, "tokens_per_s": tau / ms * 1e3})
     plain_tps = 1e3 / curve[1]
     best = max(candidates, key=lambda c: c["tokens_per_s"])
-    chosen = _tree(best["top_k"], best["total_tokens"], best["depth"])
+    chosen = _tree(best["top_k"], best["total_tokens"], best["depth"], TreeSettings().lookup_tokens)
     report = {"cost_curve_ms": curve, "draft_ms": cal["draft_ms"], "plain_tokens_per_s": plain_tps,
               "best": best, "chosen": asdict(chosen),
               "top": sorted(candidates, key=lambda c: -c["tokens_per_s"])[:8]}

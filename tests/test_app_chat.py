@@ -37,7 +37,7 @@ def test_stream_grows_and_ends_with_stats(service):
     assert final.finish_reason == "length" and final.stats["new_tokens"] == 12 and final.error is None
     assert sum(len(s["tokens"]) for s in final.steps) == 12
     origins = {t[1] for s in final.steps for t in s["tokens"]}
-    assert origins <= {"serial", "mlp", "fta", "target"} and "target" in origins
+    assert origins <= {"serial", "mlp", "fta", "lookup", "target"} and "target" in origins
 
 
 def test_multi_turn_prompt_contains_earlier_turns(service):

@@ -33,10 +33,11 @@ def test_rejected_drafts_are_escaped_and_hidden_by_default():
 
 
 def test_colours_by_origin_and_depth():
-    steps = [{"tokens": [["A", "serial", 1], ["B", "mlp", 3], ["C", "mlp", 9], ["D", "fta", 4], ["E", "target", 0]],
+    steps = [{"tokens": [["A", "serial", 1], ["B", "mlp", 3], ["C", "mlp", 9], ["D", "fta", 4], ["E", "target", 0],
+                         ["F", "lookup", 5]],
               "rejected": ["x"]}]
     out = render.colour_html(steps)
-    for cls in ("o-serial", "o-mlp d3", "o-mlp d7", "o-fta", "o-target"):
+    for cls in ("o-serial", "o-mlp d3", "o-mlp d7", "o-fta", "o-target", "o-lookup"):
         assert f'class="tok {cls}"' in out
     assert out.index("<s class=\"rej\"") < out.index(">E<")  # the refused draft sits where E went
 

@@ -152,7 +152,8 @@ SCRIPT = [  # one StepEvent each: (accepted tokens as (text, origin, depth)), re
     ([("Here", "target", 0)], []),
     ([(" is", "serial", 1), (" **", "serial", 2), ("bold", "mlp", 3), ("**", "mlp", 4), (" text", "target", 0)],
      [" bald"]),
-    ([(" and ", "mlp", 5), (XSS, "fta", 6), ("\n\n```python\n", "target", 0)], ["<b>no</b>"]),
+    ([(" and ", "mlp", 5), (XSS, "fta", 6), (" again", "lookup", 7), ("\n\n```python\n", "target", 0)],
+     ["<b>no</b>"]),
     ([("if a < b:\n", "serial", 1), ("    print(a)\n", "mlp", 7), ("```\n", "target", 0)], [" else"]),
     ([("Done.", "target", 0)], []),
 ]
@@ -219,7 +220,7 @@ def test_colours_xss_code_and_rejected(page, scripted_server):
     send(page, "show me")
     page.wait_for_selector("#chat-log .msg.assistant .stats")
     answer = last_answer(page)
-    for origin in ("serial", "mlp", "fta", "target"):
+    for origin in ("serial", "mlp", "fta", "lookup", "target"):
         assert answer.locator(f".tok.o-{origin}").count() > 0, origin
     assert answer.locator(".tok.o-mlp.d7").count() == 1
     # The XSS attempt is shown as text and never runs.

@@ -51,7 +51,9 @@ def test_engine_packs_the_tree_size_and_stays_lossless():
     target = tiny_target(seed=3, eos=False, tied=True)
     use_fast_cpu_layouts(target.model)
     engine = Engine(target, new_heads(target))
-    tree = TreeSettings(top_k=3, total_tokens=6, depth=3, mlp_topk=3, pruning=6, fta=False, fta_tokens=0)
+    # Lookup off: a looked-up branch adds nodes beyond total_tokens (not packed, by design).
+    tree = TreeSettings(top_k=3, total_tokens=6, depth=3, mlp_topk=3, pruning=6, fta=False, fta_tokens=0,
+                        lookup_tokens=0)
     assert_lossless(engine, random_prompts(4, seed=5), tree)
     assert target.lm_head.packed[0] == 6
     engine.trace_trees = True

@@ -1,0 +1,39 @@
+"""Drafting by looking back: the tokens that followed the last time the context's tail appeared.
+
+Chat answers repeat their own words and the prompt's: names, code identifiers, list
+structure, whole sentences when a small model loops. Where the last few tokens (the
+n-gram ending with the root) occurred before, the tokens that followed them then are a
+free guess for what follows now (prompt lookup decoding, Saxena 2023; transformers'
+`prompt_lookup_num_tokens`). The engine adds that guess to the Gumiho tree as one more
+branch (draft_tree.add_chain), so the target verifies heads' guesses and looked-up ones in
+the same pass, and output stays exactly the target's.
+
+Measured on this project's bench answers (SmolLM2-135M greedy, 256 tokens; the analysis
+that chose the defaults is in the README): a match of 2-3 tokens is found at 23 % of the
+steps on mt_bench and then 3.9 tokens are accepted on average; a 1-token match is found
+far more often but buys ~1 token, which the heads already guess, so the default asks for 2.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def continuation(context: torch.Tensor, length: int, max_ngram: int = 3, min_ngram: int = 2) -> list[int]:
+    """Up to `length` tokens that followed the latest earlier occurrence of the context's tail.
+
+    The longest tail (max_ngram tokens, down to min_ngram) that occurred before wins; among
+    its occurrences the latest, since a loop or a list repeats its most recent form.
+    """
+    context = context.flatten()
+    n_ctx = context.shape[0]
+    for n in range(max_ngram, min_ngram - 1, -1):
+        if n_ctx <= n:
+            continue
+        tail = context[-n:]
+        # Windows starting at 0 .. n_ctx - n - 1: every occurrence but the tail itself.
+        windows = context[:-1].unfold(0, n, 1)
+        hits = (windows == tail).all(dim=1).nonzero()
+        if len(hits):
+            start = int(hits[-1]) + n
+            return context[start : start + length].tolist()
+    return []

@@ -1,0 +1,103 @@
+"""Context lookup: the tokens that followed the context's tail before join the draft tree.
+
+The lookup itself (context_lookup.continuation), the merge into the tree
+(DraftTree.add_chain), and losslessness when looked-up tokens are verified and accepted.
+"""
+from __future__ import annotations
+
+import torch
+
+from gumiho_core import Engine, GenerationSettings, TreeSettings, new_heads, run_to_end
+from gumiho_core.context_lookup import continuation
+from gumiho_core.draft_tree import DraftTree
+from tiny import hf_greedy, random_prompts, tiny_target
+
+
+def ids(*tokens):
+    return torch.tensor(tokens)
+
+
+def test_longest_tail_wins_and_latest_occurrence_among_equals():
+    # tail (7, 8, 9): the 3-gram occurred once (-> 20); the 2-gram (8, 9) later (-> 30).
+    ctx = ids(7, 8, 9, 20, 21, 8, 9, 30, 31, 7, 8, 9)
+    assert continuation(ctx, 2) == [20, 21]
+    # Only 2-grams: the latest of two occurrences.
+    ctx = ids(5, 6, 40, 41, 5, 6, 50, 51, 0, 5, 6)
+    assert continuation(ctx, 3) == [50, 51, 0]
+
+
+def test_no_match_the_tail_itself_and_short_contexts_give_nothing():
+    assert continuation(ids(1, 2, 3, 4, 5), 4) == []  # nothing repeats
+    assert continuation(ids(3, 4), 4) == []  # the tail's only occurrence is itself
+    assert continuation(ids(9), 4) == []
+    # A 1-token tail is not enough by default, and is with min_ngram=1.
+    assert continuation(ids(4, 11, 12, 4), 2) == []
+    assert continuation(ids(4, 11, 12, 4), 2, min_ngram=1) == [11, 12]
+
+
+def test_continuation_may_run_into_the_tail_and_stops_at_the_context_end():
+    # A loop "a b a b": the tail (a, b) last occurred two tokens back; what followed is the tail itself.
+    assert continuation(ids(1, 2, 1, 2), 8) == [1, 2]
+    assert continuation(ids(1, 2, 1, 2, 1, 2), 3) == [1, 2]
+
+
+def _tree():
+    # root 0 -> {a:10, b:11}; a -> c:12
+    return DraftTree(torch.tensor([0, 10, 11, 12]), [-1, 0, 0, 1], [0, 1, 1, 2],
+                     ["root", "serial", "serial", "serial"], [0.0, -0.1, -0.5, -0.3])
+
+
+def test_add_chain_follows_existing_nodes_then_adds_new_ones():
+    tree = _tree().add_chain([10, 12, 13, 14])
+    assert tree.tokens.tolist() == [0, 10, 11, 12, 13, 14]
+    assert tree.parents == [-1, 0, 0, 1, 3, 4]
+    assert tree.depths == [0, 1, 1, 2, 3, 4]
+    assert tree.sources[4:] == ["lookup", "lookup"]
+    assert tree.children[3] == [4] and tree.children[4] == [5]
+    # The mask lets each new node see exactly its ancestors.
+    mask = tree.ancestor_mask()
+    assert mask[5].nonzero().flatten().tolist() == [0, 1, 3, 4, 5]
+
+
+def test_add_chain_branches_where_it_disagrees_and_ranks_last_among_siblings():
+    tree = _tree().add_chain([10, 20])
+    assert tree.tokens.tolist() == [0, 10, 11, 12, 20]
+    assert tree.parents[4] == 1 and tree.children[1] == [3, 4]
+    assert tree.scores[4] == tree.scores[1]
+    same = _tree()
+    assert same.add_chain([10, 12]) is same and same.add_chain([]) is same
+
+
+def _repeating_prompts():
+    # Prompts that repeat a phrase: the tail of the context has occurred before.
+    out = []
+    for p in random_prompts(6, seed=21, lo=4, hi=7):
+        out.append(p + p[1:] + p[1:])
+    return out
+
+
+def test_lookup_is_lossless_and_its_tokens_get_accepted():
+    target = tiny_target(seed=4, eos=False)
+    engine = Engine(target, new_heads(target))  # untrained heads: accepted runs come from the lookup
+    tree = TreeSettings(top_k=2, total_tokens=4, depth=2, mlp_topk=2, pruning=2, fta=False, fta_tokens=0,
+                        lookup_tokens=6)
+    looked_up = 0
+    for prompt in _repeating_prompts():
+        spec = run_to_end(engine, prompt, GenerationSettings(max_new_tokens=40, tree=tree))
+        plain = run_to_end(engine, prompt, GenerationSettings(max_new_tokens=40, speculative=False))
+        assert spec.token_ids == plain.token_ids == hf_greedy(target, prompt, 40)
+        looked_up += spec.stats.forward_passes < plain.stats.forward_passes
+    # Random tiny models fall into loops, which the lookup copies: fewer target passes.
+    assert looked_up >= 3, "the lookup should have been accepted on most prompts"
+
+
+def test_lookup_off_adds_no_lookup_nodes():
+    target = tiny_target(seed=4, eos=False)
+    engine = Engine(target, new_heads(target))
+    engine.trace_trees = True
+    for lookup in (0, 6):
+        tree = TreeSettings(top_k=2, total_tokens=4, depth=2, fta=False, fta_tokens=0, lookup_tokens=lookup)
+        run_to_end(engine, _repeating_prompts()[0], GenerationSettings(max_new_tokens=30, tree=tree))
+        sources = {s for t, _ in engine.last_run.trace for s in t.sources}
+        assert ("lookup" in sources) == (lookup > 0)
+        assert all(len(t) <= 4 + lookup for t, _ in engine.last_run.trace)
