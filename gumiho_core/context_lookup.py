@@ -37,3 +37,24 @@ def continuation(context: torch.Tensor, length: int, max_ngram: int = 3, min_ngr
             start = int(hits[-1]) + n
             return context[start : start + length].tolist()
     return []
+
+
+class LookupLength:
+    """How many tokens to look up this step: `base`, doubled after each step whose whole
+    looked-up chain was accepted (up to `base * MAX_GROWTH`), back to `base` after a miss.
+
+    A chain accepted whole usually means the answer is repeating a stretch of the context
+    (a list's pattern, code, or a small model's loop), and the next stretch will repeat
+    too; a longer chain then costs a few more tree rows and saves whole target passes.
+    """
+
+    MAX_GROWTH = 4
+
+    def __init__(self, base: int):
+        self.base = self.tokens = base
+
+    def update(self, whole_chain_accepted: bool) -> None:
+        if whole_chain_accepted:
+            self.tokens = min(2 * self.tokens, self.base * self.MAX_GROWTH)
+        else:
+            self.tokens = self.base

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .context_lookup import continuation
+from .context_lookup import LookupLength, continuation
 from .cpu_matmul import fast_cpu_copy, pack_for_rows
 from .draft_tree import DraftTree, build_draft_tree
 from .errors import ContextTooLong, GumihoError
@@ -160,6 +160,8 @@ class _Run:
         self.draft_cache = self.heads.new_cache() if settings.speculative else None
         self.features = torch.zeros(0, self.target.hidden_size, device=self.device)  # one row per cached token
         self.consistent = False
+        self.lookup_length = LookupLength(settings.tree.lookup_tokens)
+        self.chain: list[int] = []  # the looked-up tokens offered in this step's tree
         self.reused = 0
         if reuse is not None:
             self._reuse(reuse)
@@ -217,6 +219,8 @@ class _Run:
                 self.trace.append((tree, result.path))
             self.features = torch.cat([self.features, features[result.path]])
             drafted = result.path[1:]
+            if self.chain:
+                self.lookup_length.update(tree_tokens[drafted[: len(self.chain)]].tolist() == self.chain)
             root = result.bonus
             self.context = torch.cat([self.context, tree_tokens[drafted], self._tensor([root])])
             self.consistent = True
@@ -267,8 +271,10 @@ class _Run:
             self.settings.tree,
             max_depth=max(1, room),
         )
-        if self.settings.tree.lookup_tokens:
-            tree = tree.add_chain(continuation(self.context, min(self.settings.tree.lookup_tokens, max(1, room))))
+        self.chain = []
+        if self.lookup_length.tokens:
+            self.chain = continuation(self.context, min(self.lookup_length.tokens, max(1, room)))
+            tree = tree.add_chain(self.chain)
         return tree
 
     # -- bookkeeping ----------------------------------------------------------------------

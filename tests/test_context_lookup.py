@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from gumiho_core import Engine, GenerationSettings, TreeSettings, new_heads, run_to_end
-from gumiho_core.context_lookup import continuation
+from gumiho_core.context_lookup import LookupLength, continuation
 from gumiho_core.draft_tree import DraftTree
 from tiny import hf_greedy, random_prompts, tiny_target
 
@@ -101,3 +101,15 @@ def test_lookup_off_adds_no_lookup_nodes():
         sources = {s for t, _ in engine.last_run.trace for s in t.sources}
         assert ("lookup" in sources) == (lookup > 0)
         assert all(len(t) <= 4 + lookup for t, _ in engine.last_run.trace)
+
+
+def test_lookup_length_grows_while_whole_chains_are_accepted_and_resets_on_a_miss():
+    length = LookupLength(8)
+    seen = []
+    for whole in (True, True, True, True, False, True):
+        length.update(whole)
+        seen.append(length.tokens)
+    assert seen == [16, 32, 32, 32, 8, 16]
+    off = LookupLength(0)
+    off.update(True)
+    assert off.tokens == 0

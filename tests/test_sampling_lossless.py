@@ -82,34 +82,53 @@ def small():
     return target, Engine(target, new_heads(target))
 
 
-def exact_second_token(target) -> torch.Tensor:
+# Every (9, x) pair occurs in this prompt, which ends with 9: whatever the first new token,
+# the context lookup finds the tail and offers its continuation below it.
+LOOKUP_PROMPT = [1] + [t for x in range(3, VOCAB) for t in (9, x, (5 * x + 3) % VOCAB)] + [9]
+
+
+def exact_second_token(target, prompt=PROMPT) -> torch.Tensor:
     """P(t2) = sum over t1 of p(t1 | prompt) p(t2 | prompt, t1), with the same warping."""
     settings = SamplingSettings(**SAMPLING)
     chooser = TokenChooser(settings)
     with torch.no_grad():
-        base = target.model(torch.tensor([PROMPT])).logits[0, -1]
-        p1 = chooser.probs(base, torch.tensor(PROMPT))
-        batch = torch.tensor([PROMPT + [t] for t in range(VOCAB)])
+        base = target.model(torch.tensor([prompt])).logits[0, -1]
+        p1 = chooser.probs(base, torch.tensor(prompt))
+        batch = torch.tensor([prompt + [t] for t in range(VOCAB)])
         logits = target.model(batch).logits[:, -1]
     p2 = torch.stack([chooser.probs(logits[t], batch[t]) for t in range(VOCAB)])
     return (p1[:, None] * p2).sum(0)
 
 
-def second_token_counts(engine, n: int) -> torch.Tensor:
+def second_token_counts(engine, n: int, prompt=PROMPT, lookup_tokens: int = 0) -> torch.Tensor:
     counts = torch.zeros(VOCAB)
-    tree = TreeSettings(top_k=3, total_tokens=8, depth=3, mlp_topk=2, pruning=3, fta=True, fta_tokens=1)
+    tree = TreeSettings(top_k=3, total_tokens=8, depth=3, mlp_topk=2, pruning=3, fta=True, fta_tokens=1,
+                        lookup_tokens=lookup_tokens)
+    engine.trace_trees = True
+    looked_up = 0
     for seed in range(n):
         settings = GenerationSettings(
             max_new_tokens=2, tree=tree, sampling=SamplingSettings(seed=seed, **SAMPLING)
         )
-        done = run_to_end(engine, PROMPT, settings)
+        done = run_to_end(engine, prompt, settings)
         counts[done.token_ids[1]] += 1
+        looked_up += any("lookup" in t.sources for t, _ in engine.last_run.trace)
+    engine.trace_trees = False
+    if lookup_tokens:  # the lookup branch must really have been offered, or this tests nothing new
+        assert looked_up > n // 2, looked_up
     return counts
 
 
 def test_speculative_sampling_matches_target_distribution(small):
     target, engine = small
     stat, df = chi_square(second_token_counts(engine, 2500), exact_second_token(target))
+    assert stat < chi2_critical(df), stat
+
+
+def test_speculative_sampling_with_context_lookup_matches_target_distribution(small):
+    target, engine = small
+    counts = second_token_counts(engine, 2500, LOOKUP_PROMPT, lookup_tokens=4)
+    stat, df = chi_square(counts, exact_second_token(target, LOOKUP_PROMPT))
     assert stat < chi2_critical(df), stat
 
 
