@@ -4,7 +4,8 @@
 [--temperature T] [--json OUT]` runs, for each prompt (first turn, through the chat
 template), every method in turn after a warm-up:
 - plain:   our engine, speculative decoding off (the baseline);
-- gumiho:  our engine with the heads;
+- gumiho:  our engine with the heads, and the context-lookup branch (context_lookup.py);
+- gumiho-heads: the same with the lookup off, so the heads' own share is visible;
 - hf:      transformers `generate`;
 - hf-pld:  transformers assisted generation with prompt lookup (a draft-free peer).
 It reports per method the median tokens/s, speedup vs plain (ratio of medians), tau,
@@ -18,7 +19,7 @@ import statistics
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -27,7 +28,8 @@ from .errors import GumihoError
 from .generate import Engine, run_to_end
 from .settings import GenerationSettings, SamplingSettings, TreeSettings
 
-METHODS = ("plain", "gumiho", "hf", "hf-pld")
+METHODS = ("plain", "gumiho", "gumiho-heads", "hf", "hf-pld")
+DEFAULT_METHODS = ("plain", "gumiho", "hf", "hf-pld")
 
 
 def read_prompts(path: str | Path, limit: int | None = None) -> list[str]:
@@ -106,8 +108,10 @@ class Run:
 
 
 def run_method(method: str, engine: Engine, prompt_ids: list[int], settings: GenerationSettings) -> Run:
-    if method in ("plain", "gumiho"):
-        done = run_to_end(engine, prompt_ids, settings.with_(speculative=method == "gumiho"))
+    if method in ("plain", "gumiho", "gumiho-heads"):
+        if method == "gumiho-heads":
+            settings = settings.with_(tree=replace(settings.tree, lookup_tokens=0))
+        done = run_to_end(engine, prompt_ids, settings.with_(speculative=method != "plain"))
         s = done.stats
         return Run(done.token_ids, s.total_s, s.forward_passes, s.to_dict())
     return _run_hf(engine.target, prompt_ids, settings, prompt_lookup=method == "hf-pld")
@@ -233,12 +237,13 @@ def format_table(report: dict) -> str:
                              f"peak {e['peak_memory_mb']:.0f} MB")
     acc = []
     for n in names:
-        g = report["benchmarks"][n]["methods"].get("gumiho")
-        if g:
-            acc.append(f"{n}: " + " ".join(f"d{i + 1} {a:.2f}" for i, a in enumerate(g["acceptance_per_depth"])))
+        for m in ("gumiho", "gumiho-heads"):
+            g = report["benchmarks"][n]["methods"].get(m)
+            if g:
+                acc.append(f"{n} {m}: " + " ".join(f"d{i + 1} {a:.2f}" for i, a in enumerate(g["acceptance_per_depth"])))
     if acc:
         lines.append("")
-        lines.append("gumiho acceptance per depth (P(accept depth d | reached d-1)):")
+        lines.append("acceptance per depth (P(accept depth d | reached d-1)):")
         lines.extend("  " + a for a in acc)
     mism = sum(len(b["mismatches"]) for b in report["benchmarks"].values())
     lines.append("")
@@ -298,7 +303,7 @@ def register_cli(sub) -> None:
     b.add_argument("--max-new-tokens", type=int, default=256)
     b.add_argument("--temperature", type=float, default=0.0)
     b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--methods", default=",".join(METHODS))
+    b.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"among {', '.join(METHODS)}")
     b.add_argument("--threads", type=int, default=None)
     b.add_argument("--json", default=None, help="write the full report here")
     add_model_args(b)

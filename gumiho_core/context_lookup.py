@@ -53,6 +53,11 @@ class LookupLength:
     def __init__(self, base: int):
         self.base = self.tokens = base
 
+    @property
+    def repeating(self) -> bool:
+        """The last looked-up chain was accepted whole."""
+        return self.tokens > self.base
+
     def update(self, whole_chain_accepted: bool) -> None:
         if whole_chain_accepted:
             self.tokens = min(2 * self.tokens, self.base * self.MAX_GROWTH)

@@ -249,7 +249,17 @@ class _Run:
         return torch.tensor(ids, dtype=torch.long, device=self.device)
 
     def _draft(self, root: int, past_len: int) -> DraftTree:
-        """Feed the serial head the tokens it has not read yet, then draft below `root`."""
+        """Look up a chain in the context, feed the serial head what it has not read yet,
+        and draft below `root`."""
+        room = self.target.max_context - past_len - 1
+        self.chain = []
+        if self.lookup_length.tokens:
+            self.chain = continuation(self.context, min(self.lookup_length.tokens, max(1, room)))
+            if self.chain and self.lookup_length.repeating:
+                # The answer is repeating the context and the last chain was accepted whole:
+                # the heads are skipped (they would cost more than their branch gains). The
+                # serial head reads the tokens it missed at its next turn.
+                return DraftTree.root_only(root, self.device).add_chain(self.chain)
         heads, cache = self.heads, self.draft_cache
         start = len(cache)
         pending = self.features[start:]
@@ -259,7 +269,6 @@ class _Run:
         u = heads.fc_input(self.target.embed_tokens(shifted), pending.to(heads.dtype))
         positions = torch.arange(start, start + len(shifted), device=self.device)
         out = heads.serial(u[None], positions, cache)[0]
-        room = self.target.max_context - past_len - 1
         tree = build_draft_tree(
             heads,
             self.target.embed_tokens,
@@ -271,11 +280,7 @@ class _Run:
             self.settings.tree,
             max_depth=max(1, room),
         )
-        self.chain = []
-        if self.lookup_length.tokens:
-            self.chain = continuation(self.context, min(self.lookup_length.tokens, max(1, room)))
-            tree = tree.add_chain(self.chain)
-        return tree
+        return tree.add_chain(self.chain)
 
     # -- bookkeeping ----------------------------------------------------------------------
     def _count_acceptance(self, tree: DraftTree, path: list[int]) -> None:

@@ -18,14 +18,15 @@ def test_benchmark_report_on_a_tiny_target():
     report = benchmark(engine, prompts, GenerationSettings(max_new_tokens=12), log=lambda s: None)
     bench = report["benchmarks"]["tiny"]
     assert bench["mismatches"] == [] and bench["prompts"] == 3
-    for method in ("plain", "gumiho", "hf", "hf-pld"):
+    for method in ("plain", "gumiho", "gumiho-heads", "hf", "hf-pld"):
         entry = bench["methods"][method]
         assert entry["tokens_per_s_median"] > 0 and entry["new_tokens"] == 36
         assert entry["peak_memory_mb"] > 0
     assert bench["methods"]["plain"]["speedup_vs_plain"] == 1.0
     assert bench["methods"]["plain"]["tau"] == 1.0
     table = format_table(report)
-    assert "| gumiho |" in table and "outputs identical" in table
+    assert "| gumiho |" in table and "| gumiho-heads |" in table and "outputs identical" in table
+    assert "tiny gumiho-heads: d1" in table  # acceptance per depth, for both engine methods
     json.dumps(report)
 
 

@@ -81,14 +81,19 @@ def test_lookup_is_lossless_and_its_tokens_get_accepted():
     engine = Engine(target, new_heads(target))  # untrained heads: accepted runs come from the lookup
     tree = TreeSettings(top_k=2, total_tokens=4, depth=2, mlp_topk=2, pruning=2, fta=False, fta_tokens=0,
                         lookup_tokens=6)
-    looked_up = 0
+    engine.trace_trees = True
+    looked_up = chain_only = 0
     for prompt in _repeating_prompts():
         spec = run_to_end(engine, prompt, GenerationSettings(max_new_tokens=40, tree=tree))
+        trees = [t for t, _ in engine.last_run.trace]
         plain = run_to_end(engine, prompt, GenerationSettings(max_new_tokens=40, speculative=False))
         assert spec.token_ids == plain.token_ids == hf_greedy(target, prompt, 40)
         looked_up += spec.stats.forward_passes < plain.stats.forward_passes
+        # After a chain accepted whole, the heads sit out: a tree of the root and the chain.
+        chain_only += sum(set(t.sources) == {"root", "lookup"} for t in trees)
     # Random tiny models fall into loops, which the lookup copies: fewer target passes.
     assert looked_up >= 3, "the lookup should have been accepted on most prompts"
+    assert chain_only > 0, "repeating stretches should have been drafted by the lookup alone"
 
 
 def test_lookup_off_adds_no_lookup_nodes():
