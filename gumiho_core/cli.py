@@ -36,6 +36,8 @@ def add_tree_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mlp-topk", type=int, default=None, help=f"candidates per node at MLP depths ({d.mlp_topk})")
     p.add_argument("--pruning", type=int, default=None, help=f"nodes kept per MLP depth ({d.pruning})")
     p.add_argument("--no-fta", action="store_true", help="disable Full Tree Attention supplements")
+    p.add_argument("--fta-tokens", type=int, default=None,
+                   help=f"tree nodes spent on Full Tree Attention supplements, 0 = off ({d.fta_tokens})")
     p.add_argument("--lookup-tokens", type=int, default=None,
                    help=f"tokens copied from the context as one more tree branch, 0 = off ({d.lookup_tokens})")
     p.add_argument("--auto-tree", action="store_true",
@@ -54,6 +56,8 @@ def tree_from_args(args, base=None):
     tree = base or TreeSettings()
     given = {f: getattr(args, f) for f in TREE_FLAGS if getattr(args, f, None) is not None}
     tree = replace(tree, **given)
+    if getattr(args, "fta_tokens", None) is not None:
+        tree = replace(tree, fta=args.fta_tokens > 0, fta_tokens=args.fta_tokens)
     if args.no_fta:
         tree = replace(tree, fta=False, fta_tokens=0)
     return replace(tree, fta_tokens=min(tree.fta_tokens, max(0, tree.total_tokens - 2)))

@@ -40,15 +40,19 @@ def continuation(context: torch.Tensor, length: int, max_ngram: int = 3, min_ngr
 
 
 class LookupLength:
-    """How many tokens to look up this step: `base`, doubled after each step whose whole
-    looked-up chain was accepted (up to `base * MAX_GROWTH`), back to `base` after a miss.
+    """How many tokens to look up this step, from how the last chain fared.
 
-    A chain accepted whole usually means the answer is repeating a stretch of the context
-    (a list's pattern, code, or a small model's loop), and the next stretch will repeat
-    too; a longer chain then costs a few more tree rows and saves whole target passes.
+    - accepted whole: double, up to `base * MAX_GROWTH`. The answer is most likely
+      repeating a stretch of the context (a list's pattern, code, a small model's loop) and
+      the next stretch will repeat too: a longer chain costs a few more tree rows and
+      saves whole target passes;
+    - refused at its first token: halve, down to MIN_TOKENS. Such chains mostly cost rows
+      (with sampling, far more chains are refused than under greedy decoding);
+    - partly accepted: back to `base`.
     """
 
     MAX_GROWTH = 4
+    MIN_TOKENS = 2
 
     def __init__(self, base: int):
         self.base = self.tokens = base
@@ -58,8 +62,10 @@ class LookupLength:
         """The last looked-up chain was accepted whole."""
         return self.tokens > self.base
 
-    def update(self, whole_chain_accepted: bool) -> None:
-        if whole_chain_accepted:
+    def update(self, accepted: int, offered: int) -> None:
+        if accepted == offered:
             self.tokens = min(2 * self.tokens, self.base * self.MAX_GROWTH)
+        elif accepted == 0:
+            self.tokens = min(self.base, max(self.MIN_TOKENS, self.tokens // 2))
         else:
             self.tokens = self.base

@@ -220,7 +220,7 @@ class _Run:
             self.features = torch.cat([self.features, features[result.path]])
             drafted = result.path[1:]
             if self.chain:
-                self.lookup_length.update(tree_tokens[drafted[: len(self.chain)]].tolist() == self.chain)
+                self.lookup_length.update(common_prefix_length(tree_tokens[drafted].tolist(), self.chain), len(self.chain))
             root = result.bonus
             self.context = torch.cat([self.context, tree_tokens[drafted], self._tensor([root])])
             self.consistent = True

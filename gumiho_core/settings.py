@@ -15,21 +15,25 @@ from .errors import GumihoError
 class TreeSettings:
     """The dynamic draft tree (EAGLE-2 style, with Gumiho's parallel MLP depths).
 
-    Defaults fit the CPU default model: one target pass over 16 tokens costs about twice a
-    single-token pass there. On a GPU with a 7B target the paper uses top_k 10,
-    total_tokens 60, mlp_topk 35, pruning 35 (see `TreeSettings.gpu()`).
+    Defaults fit the CPU default model: they are the tree the measured budget
+    (tree_budget.py, `--auto-tree`) chose on this project's 2-core machine, where a target
+    pass over 6 tokens costs ~1.3x a one-token pass, over 16 tokens ~1.8x, and the serial
+    head's first two depths are accepted far more often than deeper guesses pay for. So
+    the MLP heads join when `depth` goes past 2 and FTA when turned on (e.g. on a GPU,
+    where the paper uses top_k 10, total_tokens 60, mlp_topk 35, pruning 35, FTA:
+    `TreeSettings.gpu()`).
     """
 
-    top_k: int = 4  # beams kept at each serial depth, and children per beam
-    total_tokens: int = 16  # tree nodes verified in one target pass, root included
-    depth: int = 7  # deepest draft token: serial depths first, then one MLP head per depth
-    mlp_topk: int = 4  # candidates per node at each MLP depth
-    pruning: int = 8  # nodes kept at each MLP depth, by cumulative log-probability
-    fta: bool = True  # Full Tree Attention: extend short paths with tokens from longer ones
-    fta_tokens: int = 2  # at most this many of total_tokens are spent on FTA supplements
+    top_k: int = 6  # beams kept at each serial depth, and children per beam
+    total_tokens: int = 6  # tree nodes verified in one target pass, root included
+    depth: int = 2  # deepest draft token: serial depths first, then one MLP head per depth
+    mlp_topk: int = 6  # candidates per node at each MLP depth
+    pruning: int = 12  # nodes kept at each MLP depth, by cumulative log-probability
+    fta: bool = False  # Full Tree Attention: extend short paths with tokens from longer ones
+    fta_tokens: int = 0  # at most this many of total_tokens are spent on FTA supplements
     # Context lookup (context_lookup.py): up to this many tokens that followed the last
     # occurrence of the context's tail join the tree as one more branch, beyond
-    # total_tokens; 0 turns it off.
+    # total_tokens (more while the answer repeats the context); 0 turns it off.
     lookup_tokens: int = 8
 
     @classmethod

@@ -108,13 +108,13 @@ def test_lookup_off_adds_no_lookup_nodes():
         assert all(len(t) <= 4 + lookup for t, _ in engine.last_run.trace)
 
 
-def test_lookup_length_grows_while_whole_chains_are_accepted_and_resets_on_a_miss():
+def test_lookup_length_grows_on_whole_chains_shrinks_on_refusals_and_resets_otherwise():
     length = LookupLength(8)
     seen = []
-    for whole in (True, True, True, True, False, True):
-        length.update(whole)
+    for accepted in (8, 16, 32, 32, 3, 0, 0, 0, 1, 8):  # the chain offered is length.tokens long
+        length.update(accepted, length.tokens)
         seen.append(length.tokens)
-    assert seen == [16, 32, 32, 32, 8, 16]
+    assert seen == [16, 32, 32, 32, 8, 4, 2, 2, 8, 16]
     off = LookupLength(0)
-    off.update(True)
+    off.update(0, 0)
     assert off.tokens == 0

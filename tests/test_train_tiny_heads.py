@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 
-from gumiho_core import Engine, GenerationSettings, run_to_end
+from gumiho_core import Engine, GenerationSettings, TreeSettings, run_to_end
 from gumiho_core.train import train_tiny_heads
 from tiny import random_prompts, tiny_target
 
@@ -14,9 +14,12 @@ def test_tiny_heads_are_fast_accepted_deep_and_lossless():
     heads = train_tiny_heads(target, steps=150)
     assert time.time() - start < 30
     engine = Engine(target, heads)
+    # A deep tree with the MLP heads, and no context lookup: what is accepted is the heads'.
+    tree = TreeSettings(top_k=4, total_tokens=16, depth=7, mlp_topk=4, pruning=8, fta=True, fta_tokens=2,
+                        lookup_tokens=0)
     taus, deepest = [], 0
     for prompt in random_prompts(4, seed=99):
-        spec = run_to_end(engine, prompt, GenerationSettings(max_new_tokens=40))
+        spec = run_to_end(engine, prompt, GenerationSettings(max_new_tokens=40, tree=tree))
         plain = run_to_end(engine, prompt, GenerationSettings(max_new_tokens=40, speculative=False))
         assert spec.token_ids == plain.token_ids
         taus.append(spec.stats.tau)
