@@ -30,9 +30,9 @@ def test_no_match_the_tail_itself_and_short_contexts_give_nothing():
     assert continuation(ids(1, 2, 3, 4, 5), 4) == []  # nothing repeats
     assert continuation(ids(3, 4), 4) == []  # the tail's only occurrence is itself
     assert continuation(ids(9), 4) == []
-    # A 1-token tail is not enough by default, and is with min_ngram=1.
-    assert continuation(ids(4, 11, 12, 4), 2) == []
-    assert continuation(ids(4, 11, 12, 4), 2, min_ngram=1) == [11, 12]
+    # A 1-token tail is enough by default, not with min_ngram=2.
+    assert continuation(ids(4, 11, 12, 4), 2) == [11, 12]
+    assert continuation(ids(4, 11, 12, 4), 2, min_ngram=2) == []
 
 
 def test_continuation_may_run_into_the_tail_and_stops_at_the_context_end():
