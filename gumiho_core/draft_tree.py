@@ -68,8 +68,8 @@ class DraftTree:
         The chain follows existing nodes while their tokens agree and continues as new
         nodes, so a guess the heads made too is verified once. New nodes go after every
         existing one (their parents come first, as verification's layout requires) and
-        rank last among their siblings; their score is their parent's, which keeps them
-        out of the tree budget's calibration (tree_budget.accepted_length).
+        rank last among their siblings; they have no draft probability of their own, so
+        their score is their parent's.
         """
         tokens, parents, depths = self.tokens.tolist(), list(self.parents), list(self.depths)
         sources, children = list(self.sources), [list(kids) for kids in self.children]

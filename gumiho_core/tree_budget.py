@@ -106,7 +106,7 @@ def _sync(target):
 
 def accepted_length(tree: DraftTree, path: list[int], budget: int, depth: int) -> int:
     """Drafts the sub-tree of the `budget - 1` best nodes within `depth` would have accepted."""
-    eligible = [i for i in range(1, len(tree)) if tree.depths[i] <= depth and tree.sources[i] not in ("fta", "lookup")]
+    eligible = [i for i in range(1, len(tree)) if tree.depths[i] <= depth and tree.sources[i] != "fta"]
     kept = set(sorted(eligible, key=lambda i: (-tree.scores[i], i))[: budget - 1])
     n = 0
     for node in path[1:]:
