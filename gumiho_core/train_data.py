@@ -18,7 +18,9 @@ skipped (the manifest lists their indices), and a shard appears in the manifest 
 it is fully written.
 
 Prompts come from a built-in generator (chat, writing, coding, math word problems,
-summarisation, factual questions, multi-turn) and/or a JSONL file the user gives. The
+summarisation, factual questions, multi-turn), from the target itself (`--self-prompts N`:
+it writes user requests when given only the opening of a user turn), and/or a JSONL file
+the user gives. The
 benchmark question files (/work/shared/bench, or any file named like them) are refused:
 training on the test set would make tau meaningless.
 """
@@ -66,6 +68,80 @@ def read_prompt_file(path: str | Path) -> list[list[str]]:
             raise GumihoError(f"{path}:{n}: expected a string, or an object with 'turns' or 'prompt'")
         out.append(turns)
     return out
+
+
+# ---------------------------------------------------------------------------------------
+# Prompts written by the target itself (--self-prompts)
+# ---------------------------------------------------------------------------------------
+SELF_PROMPTS = "self_prompts.jsonl"
+
+
+def user_turn_opening(target) -> list[int]:
+    """Token ids of a conversation up to where the user's first message would begin."""
+    marker = "\u2063GUMIHO\u2063"  # text no model writes on its own
+    if getattr(target.tokenizer, "chat_template", None):
+        text = target.tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False,
+                                                    add_generation_prompt=True)
+    else:
+        text = f"user: {marker}\n"  # chat_prompt's plain-text fallback
+    if marker not in text:
+        raise GumihoError(f"{target.name}'s chat template does not show the user's message: use --prompts instead")
+    return target.encode(text[: text.index(marker)])
+
+
+@torch.inference_mode()
+def self_written_prompts(target, n: int, seed: int = 0, batch_size: int = 32, max_tokens: int = 96,
+                         temperature: float = 1.0, top_p: float = 0.95, progress: bool = True) -> list[list[str]]:
+    """`n` distinct user prompts sampled from the target itself.
+
+    Given only the opening of a user turn, an instruction-tuned model writes the kind of
+    request it was tuned on (the "Magpie" trick, Xu et al. 2024). Measured on the default
+    model, the template prompts of prompts.py are narrow: the shipped heads' greedy
+    acceptance at depth 1 was 0.56 on held-out template conversations but 0.42 on real chat
+    questions. Only turns the model finished (an end-of-turn token before `max_tokens`) are
+    kept; sampling is seeded per batch, so a seed gives the same list on the same machine.
+    """
+    from tqdm import tqdm
+
+    opening = torch.tensor([user_turn_opening(target)], device=target.device)
+    eos = sorted(target.eos_token_ids)
+    if not eos:
+        raise GumihoError(f"{target.name} has no end-of-sequence token, so it cannot finish a prompt of its own")
+    pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else eos[0]
+    out, seen, batch_no = [], set(), 0
+    bar = tqdm(total=n, desc="self-written prompts", unit="prompt", disable=not progress)
+    while len(out) < n:
+        if batch_no >= 20 + 10 * n // max(batch_size, 1):  # nearly nothing usable: say so, do not spin
+            raise GumihoError(f"{target.name} finished only {len(out)} of {n} prompts of its own; use --prompts")
+        torch.manual_seed(seed * 1_000_003 + batch_no)
+        batch_no += 1
+        ids = opening.expand(batch_size, -1)
+        rows = target.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                                     temperature=temperature, top_p=top_p, top_k=None, max_new_tokens=max_tokens,
+                                     eos_token_id=eos, pad_token_id=pad)[:, ids.shape[1]:].tolist()
+        for row in rows:
+            end = next((i for i, t in enumerate(row) if t in target.eos_token_ids), None)
+            text = target.decode(row[:end]).strip() if end is not None else ""
+            if len(text.split()) >= 3 and text not in seen and len(out) < n:
+                seen.add(text)
+                out.append([text])
+                bar.update(1)
+    bar.close()
+    return out
+
+
+def self_prompts_for(target, folder: str | Path, n: int, seed: int, batch_size: int) -> list[list[str]]:
+    """The self-written prompts of a data folder: sampled once, then read back, so a resumed
+    run answers exactly the prompts it started with (sampling can differ across machines)."""
+    path = Path(folder) / SELF_PROMPTS
+    stored = read_prompt_file(path) if path.is_file() else []
+    if len(stored) < n:
+        stored = self_written_prompts(target, n, seed, batch_size)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(json.dumps({"turns": t}, ensure_ascii=False) + "\n" for t in stored))
+        os.replace(tmp, path)
+    return stored[:n]
 
 
 # ---------------------------------------------------------------------------------------
@@ -288,7 +364,9 @@ def register_cli(subparsers) -> None:
     p.add_argument("--out", required=True, help="output folder (rerun the same command to resume)")
     p.add_argument("--num-prompts", type=int, default=512, help="built-in generated prompts (0 = none)")
     p.add_argument("--prompts", default=None, help="JSONL file of extra prompts ({'turns': [...]} a line)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the built-in prompt generator")
+    p.add_argument("--self-prompts", type=int, default=0,
+                   help="prompts written by the target itself (sampled once into OUT/self_prompts.jsonl)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the built-in prompt generator and of --self-prompts")
     p.add_argument("--max-new-tokens", type=int, default=192, help="answer length cap per turn")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--shard-size", type=int, default=64, help="conversations per shard file")
@@ -310,9 +388,11 @@ def _cmd_train_data(args) -> int:
     prompts = builtin_prompts(args.num_prompts, args.seed) if args.num_prompts > 0 else []
     if args.prompts:
         prompts += read_prompt_file(args.prompts)
-    if not prompts:
-        raise GumihoError("no prompts: give --num-prompts > 0 or --prompts FILE")
+    if not prompts and args.self_prompts <= 0:
+        raise GumihoError("no prompts: give --num-prompts > 0, --self-prompts > 0 or --prompts FILE")
     target = load_target(args.model, dtype=args.dtype, quantize=args.quantize, device=args.device)
+    if args.self_prompts > 0:
+        prompts += self_prompts_for(target, args.out, args.self_prompts, args.seed, args.batch_size)
     manifest = generate_dataset(target, args.out, prompts, args.max_new_tokens, args.batch_size, args.shard_size,
                                 args.mask, args.feature_dtype, args.system)
     tokens = sum(s["tokens"] for s in manifest["shards"])
