@@ -35,8 +35,9 @@ from torch import nn
 from tqdm import tqdm
 
 from .errors import GumihoError
-from .heads import GumihoHeads, HeadCheckpoint, HeadConfig, causal_mask
+from .heads import GumihoHeads, HeadCheckpoint, HeadConfig, causal_mask, with_draft_vocab
 
+DRAFT_VOCAB_SIZE = 4096  # fresh heads' draft vocabulary: ~91 % of the default model's answer tokens
 V_WEIGHT, P_WEIGHT = 1.0, 0.1  # Gumiho: features loss 1.0, distribution loss 0.1
 NOISE_STD = 0.2  # uniform noise on input features, scaled by 512 / hidden as in the reference
 
@@ -253,7 +254,7 @@ def train(
     lr: float = 1e-3,
     warmup_steps: int = 50,
     max_len: int = 512,
-    draft_vocab_size: int = 4096,
+    draft_vocab_size: int | None = None,
     val_fraction: float = 0.05,
     seed: int = 0,
     resume: bool = True,
@@ -291,10 +292,13 @@ def train(
         heads = HeadCheckpoint.load(init, target, device="cpu", dtype=torch.float32)
         heads.train()
         heads.requires_grad_(True)
+        if draft_vocab_size:  # the weights do not depend on it: it only picks rows of the frozen lm_head
+            vocab = frequent_tokens(train_set, min(draft_vocab_size, target.vocab_size), target.eos_token_ids)
+            heads = with_draft_vocab(heads, vocab).train().requires_grad_(True)
         log(f"starting from the heads in {init} (draft vocabulary {heads.config.draft_vocab_size})")
     else:
-        draft_vocab = frequent_tokens(train_set, min(draft_vocab_size, target.vocab_size), target.eos_token_ids)
-        heads = new_trainable_heads(target, draft_vocab, seed)
+        size = min(draft_vocab_size or DRAFT_VOCAB_SIZE, target.vocab_size)
+        heads = new_trainable_heads(target, frequent_tokens(train_set, size, target.eos_token_ids), seed)
     model = DraftTrainer(heads, target.embed_tokens.weight, target.lm_head.weight)
     optimizer = torch.optim.AdamW(heads.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     # Each process reads its share of the batches; an epoch ends with an optimizer step.
@@ -489,13 +493,15 @@ def register_cli(sub) -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup-steps", type=int, default=50)
     p.add_argument("--max-len", type=int, default=512)
-    p.add_argument("--draft-vocab", type=int, default=4096, help="draft vocabulary size (most frequent tokens)")
+    p.add_argument("--draft-vocab", type=int, default=None,
+                   help=f"draft vocabulary size, the data's most frequent tokens (default {DRAFT_VOCAB_SIZE}; "
+                        "with --init: theirs unless given)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-resume", action="store_true", help="start over even if the run folder has a state")
     p.add_argument("--mixed-precision", default="no", choices=["no", "bf16"],
                    help="autocast the matmuls (bf16: faster on CPUs with AVX512-BF16 and on GPUs)")
     p.add_argument("--init", default=None,
-                   help="start from these trained heads (a heads folder) instead of fresh ones; --draft-vocab is then theirs")
+                   help="start from these trained heads (a heads folder) instead of fresh ones")
     p.add_argument("--threads", type=int, default=None)
     add_model_args(p)
     p.set_defaults(func=_cmd_train)

@@ -115,8 +115,8 @@ def test_bf16_mixed_precision_trains_and_keeps_float32_weights(target, data, tmp
 def test_init_starts_a_new_run_from_trained_heads(target, data, tmp_path):
     args = dict(batch_size=4, lr=3e-3, warmup_steps=2, log=quiet)
     first = train(target, data, tmp_path / "a", epochs=3, draft_vocab_size=64, **args)
-    # A different draft_vocab_size is ignored: the heads keep the vocabulary they were trained with.
-    warm = train(target, data, tmp_path / "b", epochs=1, draft_vocab_size=96, init=first["heads"], **args)
+    # Without a draft_vocab_size the heads keep the vocabulary they were trained with.
+    warm = train(target, data, tmp_path / "b", epochs=1, init=first["heads"], **args)
     start = HeadCheckpoint.load(first["heads"])
     heads = HeadCheckpoint.load(warm["heads"])
     assert torch.equal(heads.draft_vocab, start.draft_vocab)
@@ -127,6 +127,20 @@ def test_init_starts_a_new_run_from_trained_heads(target, data, tmp_path):
     assert first["start"] is None
     meta = json.loads((tmp_path / "b" / "heads" / "heads.json").read_text())
     assert meta["training"]["init"] == first["heads"]
+
+
+def test_init_with_a_draft_vocab_size_repicks_the_vocabulary_only(target, data, tmp_path):
+    first = train(target, data, tmp_path / "a", epochs=1, batch_size=4, draft_vocab_size=48, log=quiet)
+    start = HeadCheckpoint.load(first["heads"])
+    # lr 0: what changes is the vocabulary alone, the learned weights stay as they were.
+    warm = train(target, data, tmp_path / "b", epochs=1, batch_size=4, lr=0.0, draft_vocab_size=80,
+                 init=first["heads"], log=quiet)
+    heads = HeadCheckpoint.load(warm["heads"])
+    assert heads.config.draft_vocab_size == len(heads.draft_vocab) == 80 > len(start.draft_vocab)
+    assert set(start.draft_vocab.tolist()) < set(heads.draft_vocab.tolist())  # the most frequent stay in
+    for name, value in start.state_dict().items():
+        if name != "draft_vocab":
+            torch.testing.assert_close(heads.state_dict()[name], value, msg=name)
 
 
 def test_init_with_heads_of_another_target_is_refused(data, tmp_path):
