@@ -143,7 +143,7 @@ def benchmark(
     engine: Engine,
     prompt_sets: dict[str, list[str]],
     settings: GenerationSettings,
-    methods=METHODS,
+    methods=DEFAULT_METHODS,
     log=print,
 ) -> dict:
     """Run every method on every prompt, interleaved. Returns the JSON-able report."""

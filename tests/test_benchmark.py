@@ -6,7 +6,7 @@ import json
 import pytest
 
 from gumiho_core import Engine, GenerationSettings, new_heads
-from gumiho_core.benchmark import benchmark, format_table, read_prompts
+from gumiho_core.benchmark import METHODS, benchmark, format_table, read_prompts
 from gumiho_core.errors import GumihoError
 from tiny import tiny_target
 
@@ -15,7 +15,7 @@ def test_benchmark_report_on_a_tiny_target():
     target = tiny_target(seed=0, eos=False)
     engine = Engine(target, new_heads(target))
     prompts = {"tiny": ["w5 w6 w7", "w9 w10 w11 w12", "w40 w3"]}
-    report = benchmark(engine, prompts, GenerationSettings(max_new_tokens=12), log=lambda s: None)
+    report = benchmark(engine, prompts, GenerationSettings(max_new_tokens=12), methods=METHODS, log=lambda s: None)
     bench = report["benchmarks"]["tiny"]
     assert bench["mismatches"] == [] and bench["prompts"] == 3
     for method in ("plain", "gumiho", "gumiho-heads", "hf", "hf-pld"):
