@@ -246,7 +246,7 @@ def cpu_has_native_bf16() -> bool:
 
 def train(
     target,
-    data_dir: str | Path,
+    data_dir: str | Path | list,
     out_dir: str | Path,
     epochs: int = 4,
     batch_size: int = 8,
@@ -268,11 +268,14 @@ def train(
 
     from .train_data import load_conversations, read_manifest
 
-    data_dir, out_dir = Path(data_dir), Path(out_dir)
-    manifest = read_manifest(data_dir)
-    if manifest["target"]["hidden_size"] != target.hidden_size or manifest["target"]["vocab_size"] != target.vocab_size:
-        raise GumihoError(f"{data_dir} was made with {manifest['target']['name']}, not with {target.name}")
-    conversations = [c for c in load_conversations(data_dir) if len(c["input_ids"]) >= 8]
+    folders = [Path(d) for d in (data_dir if isinstance(data_dir, (list, tuple)) else [data_dir])]
+    out_dir = Path(out_dir)
+    conversations = []
+    for folder in folders:  # several train-data folders train as one set
+        manifest = read_manifest(folder)
+        if manifest["target"]["hidden_size"] != target.hidden_size or manifest["target"]["vocab_size"] != target.vocab_size:
+            raise GumihoError(f"{folder} was made with {manifest['target']['name']}, not with {target.name}")
+        conversations += [c for c in load_conversations(folder) if len(c["input_ids"]) >= 8]
     random.Random(seed).shuffle(conversations)
     n_val = max(1, int(len(conversations) * val_fraction)) if len(conversations) > 1 else 0
     val, train_set = conversations[:n_val], conversations[n_val:] or conversations
@@ -373,7 +376,7 @@ def train(
         if accelerator.is_main_process:
             heads_out = accelerator.unwrap_model(model).heads
             HeadCheckpoint.save(heads_out, out_dir / "heads", training={
-                "data": str(data_dir), "init": str(init) if init is not None else None, "conversations": len(train_set), "tokens": sum(len(c["input_ids"]) for c in train_set),
+                "data": [str(f) for f in folders], "init": str(init) if init is not None else None, "conversations": len(train_set), "tokens": sum(len(c["input_ids"]) for c in train_set),
                 "epochs": epoch + 1, "lr": lr, "batch_size": batch_size, "history": history})
             record = {"epoch": epoch + 1, "step": step, "planned_epochs": epochs, "history": history}
             if start_metrics is not None:
@@ -485,7 +488,8 @@ def register_cli(sub) -> None:
     from .cli import add_model_args
 
     p = sub.add_parser("train", help="train Gumiho heads on data made by train-data")
-    p.add_argument("--data", required=True, help="folder written by `train-data`")
+    p.add_argument("--data", required=True, action="append",
+                   help="folder written by `train-data` (repeat to train on several)")
     p.add_argument("--out", required=True, help="run folder: heads/ each epoch, state/ for resuming")
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--batch-size", type=int, default=8)

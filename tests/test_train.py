@@ -143,6 +143,16 @@ def test_init_with_a_draft_vocab_size_repicks_the_vocabulary_only(target, data, 
             torch.testing.assert_close(heads.state_dict()[name], value, msg=name)
 
 
+def test_several_data_folders_train_as_one_set(target, data, tmp_path):
+    more = tmp_path / "more"
+    generate_dataset(target, more, random_prompts(8, seed=9), max_new_tokens=16, batch_size=8, shard_size=8,
+                     mask="all", progress=False)
+    train(target, [data, more], tmp_path / "run", epochs=1, batch_size=4, draft_vocab_size=64, log=quiet)
+    meta = json.loads((tmp_path / "run" / "heads" / "heads.json").read_text())["training"]
+    assert meta["data"] == [str(data), str(more)]
+    assert meta["conversations"] == 24 + 8 - 1  # one held out for validation (5 %, at least one)
+
+
 def test_init_with_heads_of_another_target_is_refused(data, tmp_path):
     from gumiho_core import GumihoError, new_heads
 
