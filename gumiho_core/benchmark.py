@@ -192,6 +192,9 @@ def summarise(runs: dict[str, list[Run]], peaks: dict, mismatches: list) -> dict
             "speedup_vs_plain": tps / plain_tps if plain_tps else None,
             "new_tokens": sum(len(r.tokens) for r in rs),
             "peak_memory_mb": peaks[method] / 2**20,
+            # per prompt, so runs can be compared on a common subset (e.g. the first 20 of 80)
+            "per_prompt": [{"new_tokens": len(r.tokens), "tokens_per_s": r.tokens_per_s,
+                            "forward_passes": r.forward_passes} for r in rs],
         }
         if rs[0].forward_passes is not None:
             tokens = sum(len(r.tokens) for r in rs)

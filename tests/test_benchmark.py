@@ -22,6 +22,11 @@ def test_benchmark_report_on_a_tiny_target():
         entry = bench["methods"][method]
         assert entry["tokens_per_s_median"] > 0 and entry["new_tokens"] == 36
         assert entry["peak_memory_mb"] > 0
+        assert [r["new_tokens"] for r in entry["per_prompt"]] == [12, 12, 12]
+    gumiho = bench["methods"]["gumiho"]
+    assert sum(r["new_tokens"] for r in gumiho["per_prompt"]) / sum(
+        r["forward_passes"] for r in gumiho["per_prompt"]) == pytest.approx(gumiho["tau"])
+    assert bench["methods"]["hf"]["per_prompt"][0]["forward_passes"] is None
     assert bench["methods"]["plain"]["speedup_vs_plain"] == 1.0
     assert bench["methods"]["plain"]["tau"] == 1.0
     table = format_table(report)
