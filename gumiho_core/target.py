@@ -85,9 +85,14 @@ class Target:
             if ids and isinstance(ids[0], list):
                 ids = ids[0]
             return [int(i) for i in ids]
+        return self.encode(self.chat_text(messages))
+
+    def chat_text(self, messages: list[dict]) -> str:
+        """The conversation as text, ready for the assistant's answer (what chat_prompt encodes)."""
+        if getattr(self.tokenizer, "chat_template", None):
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         # No template (a base model): plain "role: text" lines are the honest fallback.
-        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
-        return self.encode(text)
+        return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
 
     def encode(self, text: str) -> list[int]:
         return [int(i) for i in self.tokenizer(text, add_special_tokens=False)["input_ids"]]

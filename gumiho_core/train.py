@@ -280,6 +280,9 @@ def train(
     n_val = max(1, int(len(conversations) * val_fraction)) if len(conversations) > 1 else 0
     val, train_set = conversations[:n_val], conversations[n_val:] or conversations
 
+    def draft_vocab(size: int) -> list[int]:  # the training answers' most frequent tokens
+        return frequent_tokens(train_set, min(size, target.vocab_size), target.eos_token_ids)
+
     if mixed_precision not in ("no", "bf16"):
         raise GumihoError(f"mixed_precision must be 'no' or 'bf16' (got {mixed_precision!r})")
     accelerator = Accelerator(gradient_accumulation_steps=grad_accum, cpu=not torch.cuda.is_available())
@@ -293,15 +296,13 @@ def train(
         # Warm start: a new run (fresh optimizer and schedule) from trained heads, e.g. the
         # shipped ones on a larger data set. Their draft vocabulary and shape are kept.
         heads = HeadCheckpoint.load(init, target, device="cpu", dtype=torch.float32)
+        if draft_vocab_size:  # the weights do not depend on it: it only picks rows of the frozen lm_head
+            heads = with_draft_vocab(heads, draft_vocab(draft_vocab_size))
         heads.train()
         heads.requires_grad_(True)
-        if draft_vocab_size:  # the weights do not depend on it: it only picks rows of the frozen lm_head
-            vocab = frequent_tokens(train_set, min(draft_vocab_size, target.vocab_size), target.eos_token_ids)
-            heads = with_draft_vocab(heads, vocab).train().requires_grad_(True)
         log(f"starting from the heads in {init} (draft vocabulary {heads.config.draft_vocab_size})")
     else:
-        size = min(draft_vocab_size or DRAFT_VOCAB_SIZE, target.vocab_size)
-        heads = new_trainable_heads(target, frequent_tokens(train_set, size, target.eos_token_ids), seed)
+        heads = new_trainable_heads(target, draft_vocab(draft_vocab_size or DRAFT_VOCAB_SIZE), seed)
     model = DraftTrainer(heads, target.embed_tokens.weight, target.lm_head.weight)
     optimizer = torch.optim.AdamW(heads.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     # Each process reads its share of the batches; an epoch ends with an optimizer step.

@@ -79,11 +79,7 @@ SELF_PROMPTS = "self_prompts.jsonl"
 def user_turn_opening(target) -> list[int]:
     """Token ids of a conversation up to where the user's first message would begin."""
     marker = "\u2063GUMIHO\u2063"  # text no model writes on its own
-    if getattr(target.tokenizer, "chat_template", None):
-        text = target.tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False,
-                                                    add_generation_prompt=True)
-    else:
-        text = f"user: {marker}\n"  # chat_prompt's plain-text fallback
+    text = target.chat_text([{"role": "user", "content": marker}])
     if marker not in text:
         raise GumihoError(f"{target.name}'s chat template does not show the user's message: use --prompts instead")
     return target.encode(text[: text.index(marker)])
@@ -96,15 +92,16 @@ def self_written_prompts(target, n: int, seed: int = 0, batch_size: int = 32, ma
 
     Given only the opening of a user turn, an instruction-tuned model writes the kind of
     request it was tuned on (the "Magpie" trick, Xu et al. 2024). Measured on the default
-    model, the template prompts of prompts.py are narrow: the shipped heads' greedy
-    acceptance at depth 1 was 0.56 on held-out template conversations but 0.42 on real chat
+    model, the template prompts of prompts.py are narrow: heads trained on them alone had a
+    greedy depth-1 accuracy of 0.56 on held-out template conversations but 0.42 on real chat
     questions. Only turns the model finished (an end-of-turn token before `max_tokens`) are
     kept; sampling is seeded per batch, so a seed gives the same list on the same machine.
     """
     from tqdm import tqdm
 
     opening = torch.tensor([user_turn_opening(target)], device=target.device)
-    eos = sorted(target.eos_token_ids)
+    stop = target.eos_token_ids  # a property that builds the set: read it once
+    eos = sorted(stop)
     if not eos:
         raise GumihoError(f"{target.name} has no end-of-sequence token, so it cannot finish a prompt of its own")
     pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else eos[0]
@@ -120,7 +117,7 @@ def self_written_prompts(target, n: int, seed: int = 0, batch_size: int = 32, ma
                                      temperature=temperature, top_p=top_p, top_k=None, max_new_tokens=max_tokens,
                                      eos_token_id=eos, pad_token_id=pad)[:, ids.shape[1]:].tolist()
         for row in rows:
-            end = next((i for i, t in enumerate(row) if t in target.eos_token_ids), None)
+            end = next((i for i, t in enumerate(row) if t in stop), None)
             text = target.decode(row[:end]).strip() if end is not None else ""
             if len(text.split()) >= 3 and text not in seen and len(out) < n:
                 seen.add(text)
@@ -138,9 +135,7 @@ def self_prompts_for(target, folder: str | Path, n: int, seed: int, batch_size: 
     if len(stored) < n:
         stored = self_written_prompts(target, n, seed, batch_size)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(json.dumps({"turns": t}, ensure_ascii=False) + "\n" for t in stored))
-        os.replace(tmp, path)
+        _write_text_atomic(path, "".join(json.dumps({"turns": t}, ensure_ascii=False) + "\n" for t in stored))
     return stored[:n]
 
 
@@ -236,10 +231,15 @@ def _is_ids(turns) -> bool:
 # ---------------------------------------------------------------------------------------
 
 
-def _write_json_atomic(path: Path, obj) -> None:
+def _write_text_atomic(path: Path, text: str) -> None:
+    """Write via a temporary file and a rename: a killed run leaves the old file or the new one."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
+    tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def _write_json_atomic(path: Path, obj) -> None:
+    _write_text_atomic(path, json.dumps(obj, indent=1))
 
 
 def read_manifest(folder: str | Path) -> dict:
