@@ -164,7 +164,10 @@ def load_target(
         raise GumihoError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}")
     torch_dtype = DTYPES[dtype]
     device_name = resolve_device(device)
-    kwargs: dict = {"dtype": torch_dtype}
+    # use_kernels=False: transformers >= 5.2x would otherwise swap layers for kernels fetched
+    # from the hub at load time - a download (this tool runs offline) and arithmetic that is
+    # not the target our equality tests pinned down.
+    kwargs: dict = {"dtype": torch_dtype, "use_kernels": False}
     qconfig = _quantization_config(quantize, torch_dtype)
     if qconfig is not None:
         kwargs["quantization_config"] = qconfig
