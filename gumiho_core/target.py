@@ -243,7 +243,8 @@ def gguf_as_folder(path: Path) -> Path:
     try:
         with _quiet_loading():
             tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-            lm = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+            lm = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
+                                                      use_kernels=False)  # as in load_target
             # The weights are plain float32 now; drop the GGUF marker so they can be saved.
             lm.hf_quantizer = None
             if hasattr(lm.config, "quantization_config"):

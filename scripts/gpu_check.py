@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from gumiho_core import Engine, GenerationSettings, TreeSettings, load_target, new_heads, run_to_end  # noqa: E402
 from gumiho_core.attention import use_packed_gqa  # noqa: E402
 from gumiho_core.target import Target  # noqa: E402
-from gumiho_core.tree_budget import measure_cost_curve  # noqa: E402
+from gumiho_core.tree_budget import _sync, measure_cost_curve  # noqa: E402
 
 # name: (hidden, layers, heads, kv heads, intermediate, vocab)
 SHAPES = {
@@ -77,18 +77,16 @@ def saved_folder(shape="small") -> str:
 def lossless(target, trees, prompts=6, new=48):
     engine = Engine(target, new_heads(target))
     g = torch.Generator().manual_seed(1)
-    ok, tau, passes, divergences = True, [], 0, []
+    tau, divergences = [], []
     for tree in trees:
         for _ in range(prompts):
             ids = torch.randint(3, target.vocab_size, (32,), generator=g).tolist()
             s = GenerationSettings(max_new_tokens=new, tree=tree)
             a, b = run_to_end(engine, ids, s), run_to_end(engine, ids, s.with_(speculative=False))
-            ok &= a.token_ids == b.token_ids
             tau.append(a.stats.tau)
-            passes += 1
             if a.token_ids != b.token_ids:
                 divergences.append(divergence(target, ids, a.token_ids, b.token_ids))
-    return {"lossless": ok, "generations_compared": passes, "tau_untrained_heads": sum(tau) / len(tau),
+    return {"lossless": not divergences, "generations_compared": len(tau), "tau_untrained_heads": sum(tau) / len(tau),
             "dtype": str(target.base.dtype), "device": str(target.device), "divergences": divergences}
 
 
@@ -114,10 +112,10 @@ def prefill_ms(target, tokens, reps=5):
     ids = torch.randint(3, target.vocab_size, (1, tokens), device=target.device)
     times = []
     for rep in range(reps + 1):
-        torch.cuda.synchronize() if target.device.type == "cuda" else None
+        _sync(target)
         start = time.perf_counter()
         target.base(input_ids=ids)
-        torch.cuda.synchronize() if target.device.type == "cuda" else None
+        _sync(target)
         if rep:
             times.append((time.perf_counter() - start) * 1e3)
     return sorted(times)[len(times) // 2]
