@@ -131,9 +131,11 @@ def collate(chunk: list[dict], max_len: int) -> dict:
 class DraftTrainer(nn.Module):
     """The heads plus the target's frozen embedding and (draft-vocabulary) lm_head."""
 
-    def __init__(self, heads: GumihoHeads, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor):
+    def __init__(self, heads: GumihoHeads, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
+                 token_weight: float = P_WEIGHT):
         super().__init__()
         self.heads = heads
+        self.token_weight = token_weight
         vocab = heads.draft_vocab
         self.register_buffer("embed_weight", embed_weight.detach().float().clone(), persistent=False)
         self.register_buffer("head_weight", lm_head_weight.detach().float()[vocab].clone(), persistent=False)
@@ -177,7 +179,7 @@ class DraftTrainer(nn.Module):
             v = (F.smooth_l1_loss(pred, want, reduction="none").mean(-1) * w).sum() / denom
             logp = torch.log_softmax(pred @ self.head_weight.T, dim=-1)
             p = -((target_logp[:, shift : shift + n].exp() * logp).sum(-1) * w).sum() / denom
-            losses.append(V_WEIGHT * v + P_WEIGHT * p)
+            losses.append(V_WEIGHT * v + self.token_weight * p)
             if measure:
                 drafted = self.heads.draft_vocab[logp.argmax(-1)]
                 metrics[shift] = (drafted == target_token[:, shift : shift + n], w)
@@ -260,6 +262,7 @@ def train(
     resume: bool = True,
     mixed_precision: str = "no",
     init: str | Path | None = None,
+    token_weight: float = P_WEIGHT,
     log=print,
     progress: bool = False,
 ) -> dict:
@@ -303,7 +306,7 @@ def train(
         log(f"starting from the heads in {init} (draft vocabulary {heads.config.draft_vocab_size})")
     else:
         heads = new_trainable_heads(target, draft_vocab(draft_vocab_size or DRAFT_VOCAB_SIZE), seed)
-    model = DraftTrainer(heads, target.embed_tokens.weight, target.lm_head.weight)
+    model = DraftTrainer(heads, target.embed_tokens.weight, target.lm_head.weight, token_weight)
     optimizer = torch.optim.AdamW(heads.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     # Each process reads its share of the batches; an epoch ends with an optimizer step.
     loader = data_loader(train_set, batch_size, max_len, seed)
@@ -378,7 +381,8 @@ def train(
             heads_out = accelerator.unwrap_model(model).heads
             HeadCheckpoint.save(heads_out, out_dir / "heads", training={
                 "data": [str(f) for f in folders], "init": str(init) if init is not None else None, "conversations": len(train_set), "tokens": sum(len(c["input_ids"]) for c in train_set),
-                "epochs": epoch + 1, "lr": lr, "batch_size": batch_size, "history": history})
+                "epochs": epoch + 1, "lr": lr, "batch_size": batch_size, "token_weight": token_weight,
+                "history": history})
             record = {"epoch": epoch + 1, "step": step, "planned_epochs": epochs, "history": history}
             if start_metrics is not None:
                 record["start"] = start_metrics
@@ -507,6 +511,9 @@ def register_cli(sub) -> None:
                    help="autocast the matmuls (bf16: faster on CPUs with AVX512-BF16 and on GPUs)")
     p.add_argument("--init", default=None,
                    help="start from these trained heads (a heads folder) instead of fresh ones")
+    p.add_argument("--token-weight", type=float, default=P_WEIGHT,
+                   help=f"weight of the cross-entropy against the target's next-token distribution "
+                        f"(the features' SmoothL1 weighs {V_WEIGHT}; default {P_WEIGHT}, Gumiho's)")
     p.add_argument("--threads", type=int, default=None)
     add_model_args(p)
     p.set_defaults(func=_cmd_train)
@@ -527,7 +534,8 @@ def _cmd_train(args) -> int:
     result = train(target, args.data, args.out, epochs=args.epochs, batch_size=args.batch_size,
                    grad_accum=args.grad_accum, lr=args.lr, warmup_steps=args.warmup_steps, max_len=args.max_len,
                    draft_vocab_size=args.draft_vocab, seed=args.seed, resume=not args.no_resume,
-                   mixed_precision=args.mixed_precision, init=args.init, log=lambda s: print(s, file=sys.stderr, flush=True),
+                   mixed_precision=args.mixed_precision, init=args.init,
+                   token_weight=args.token_weight, log=lambda s: print(s, file=sys.stderr, flush=True),
                    progress=True)
     print(f"heads written to {result['heads']}")
     return 0

@@ -177,3 +177,25 @@ def test_data_resumes_only_with_the_same_prompts(target, tmp_path):
         generate_dataset(target, folder, random_prompts(12, seed=4), max_new_tokens=8, batch_size=4,
                          shard_size=4, progress=False)
     assert len(load_conversations(folder)) == 8  # nothing lost or added by the refused run
+
+
+def test_token_weight_scales_the_cross_entropy_term_only(target, data):
+    from gumiho_core.train import DraftTrainer, collate, new_trainable_heads
+
+    heads = new_trainable_heads(target, draft_vocab=list(range(64)), seed=0)
+    batch = collate(load_conversations(data)[:4], 512)
+
+    def loss(weight):
+        trainer = DraftTrainer(heads, target.embed_tokens.weight, target.lm_head.weight, token_weight=weight)
+        with torch.no_grad():
+            return float(trainer(batch)["loss"])
+
+    features_only, one, three = loss(0.0), loss(1.0), loss(3.0)
+    assert one > features_only  # the cross-entropy term is positive and really added
+    assert three - features_only == pytest.approx(3 * (one - features_only), rel=1e-4)
+
+
+def test_token_weight_is_recorded_with_the_heads(target, data, tmp_path):
+    train(target, data, tmp_path / "run", epochs=1, batch_size=4, draft_vocab_size=64, token_weight=0.5, log=quiet)
+    meta = json.loads((tmp_path / "run" / "heads" / "heads.json").read_text())["training"]
+    assert meta["token_weight"] == 0.5
