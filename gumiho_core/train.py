@@ -10,7 +10,7 @@ Reads top to bottom: data -> model -> losses -> loop. Indexing follows the engin
   MLP head j:       cat(u'_t, fc(embed(x_{t+3}), g2_t))       -> ~ f_{t+3+j}
 
 Each prediction gets the Gumiho loss: SmoothL1 against the target feature (weight 1.0)
-plus cross-entropy against the target's next-token distribution (weight 0.1). The
+plus cross-entropy against the target's next-token distribution (weight 0.1, `--token-weight`). The
 cross-entropy is taken over the heads' draft vocabulary (the most frequent tokens of the
 training data), the same vocabulary the engine drafts from; on this CPU the full 49k
 vocabulary for 4 predictions per token would cost ~6x more, and verification always uses
