@@ -2,11 +2,15 @@
 
 `TreeSettings` shapes the draft tree; `SamplingSettings` says how the target's next
 token is chosen; `GenerationSettings` bundles them with the stopping rules. All are
-plain dataclasses so the CLI, the UI, the benchmark and the tests share one source.
+frozen dataclasses that check themselves when built, so a setting the engine would refuse
+cannot exist, and every front end (CLI, UI, OpenAI route, benchmark) gets the same one-line
+message for it. Values typed into a form or sent as JSON go through `settings_from_fields`,
+the one converter from strings and loose numbers.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+import math
+from dataclasses import asdict, dataclass, field, fields, replace
 
 from .errors import GumihoError
 
@@ -36,11 +40,34 @@ class TreeSettings:
     # total_tokens (more while the answer repeats the context); 0 turns it off.
     lookup_tokens: int = 8
 
+    def __post_init__(self):
+        self.validate()
+
     @classmethod
     def gpu(cls) -> "TreeSettings":
         return cls(top_k=10, total_tokens=60, depth=7, mlp_topk=35, pruning=35, fta=True, fta_tokens=4)
 
+    def with_overrides(self, **given) -> "TreeSettings":
+        """These settings with the values a user gave (None = not given) on top.
+
+        The one place a tree is put together from parts: `fta_tokens` given turns FTA on
+        or off with it, and a budget made smaller than the FTA share it inherited keeps
+        FTA within it rather than failing on a value the user never typed.
+        """
+        given = {k: v for k, v in given.items() if v is not None}
+        if "fta_tokens" in given and "fta" not in given:
+            given["fta"] = given["fta_tokens"] > 0
+        if given.get("fta") is False:
+            given["fta_tokens"] = 0
+        if "fta_tokens" not in given:
+            total = given.get("total_tokens", self.total_tokens)
+            given["fta_tokens"] = min(self.fta_tokens, max(0, whole_number("total_tokens", total) - 2))
+        return replace(self, **given)
+
     def validate(self) -> None:
+        for f in fields(self):
+            if f.name != "fta":
+                whole_number(f.name, getattr(self, f.name))
         checks = [
             (self.top_k >= 1, "top_k must be at least 1"),
             (self.total_tokens >= 2, "total_tokens must be at least 2 (the root and one draft)"),
@@ -65,19 +92,27 @@ class SamplingSettings:
     repetition_penalty: float = 1.0
     seed: int | None = None
 
+    def __post_init__(self):
+        self.validate()
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
     def validate(self) -> None:
-        if not self.temperature >= 0:
-            raise GumihoError(f"temperature must be >= 0 (got {self.temperature})")
-        if not 0 < self.top_p <= 1:
-            raise GumihoError(f"top_p must be in (0, 1] (got {self.top_p})")
-        if self.top_k < 0:
-            raise GumihoError(f"top_k must be >= 0 (got {self.top_k})")
-        if not self.repetition_penalty > 0:
-            raise GumihoError(f"repetition_penalty must be > 0 (got {self.repetition_penalty})")
+        if not real_number("temperature", self.temperature) >= 0:
+            raise GumihoError(f"temperature must be 0 or more (got {self.temperature})")
+        if not 0 < real_number("top_p", self.top_p) <= 1:
+            raise GumihoError(f"top_p must be more than 0 and at most 1 (got {self.top_p})")
+        if whole_number("top-k", self.top_k) < 0:
+            raise GumihoError(f"top-k must be 0 (off) or more (got {self.top_k})")
+        if not real_number("repetition penalty", self.repetition_penalty) > 0:
+            raise GumihoError(f"repetition penalty must be more than 0 (got {self.repetition_penalty})")
+        if self.seed is not None:
+            whole_number("seed", self.seed)
+
+
+OVERFLOW_RULES = ("error", "truncate")
 
 
 @dataclass(frozen=True)
@@ -91,16 +126,75 @@ class GenerationSettings:
     # "error" refuses with a clear message, "truncate" drops the oldest prompt tokens.
     on_overflow: str = "error"
 
+    def __post_init__(self):
+        self.validate()
+
     def validate(self) -> None:
-        if self.max_new_tokens < 1:
-            raise GumihoError(f"max_new_tokens must be at least 1 (got {self.max_new_tokens})")
-        if self.on_overflow not in ("error", "truncate"):
+        if whole_number("max new tokens", self.max_new_tokens) < 1:
+            raise GumihoError(f"max new tokens must be a whole number, at least 1 (got {self.max_new_tokens})")
+        if self.on_overflow not in OVERFLOW_RULES:
             raise GumihoError(f"on_overflow must be 'error' or 'truncate' (got {self.on_overflow!r})")
-        self.sampling.validate()
-        self.tree.validate()
+        if not isinstance(self.stop_strings, tuple) or not all(isinstance(s, str) and s for s in self.stop_strings):
+            raise GumihoError("stop strings must be a tuple of non-empty texts")
+        if not isinstance(self.sampling, SamplingSettings) or not isinstance(self.tree, TreeSettings):
+            raise GumihoError("sampling and tree must be SamplingSettings and TreeSettings")
 
     def with_(self, **changes) -> "GenerationSettings":
         return replace(self, **changes)
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+# -- values from a form, a JSON body or a command line -----------------------------------------
+
+
+def real_number(name: str, value) -> float:
+    """`value` as a finite float; a GumihoError naming `name` for anything else.
+
+    Booleans are refused although Python counts them as numbers: `"max_tokens": true`
+    is a mistake, not a request for one token. Strings are read as numbers ("0.7").
+    """
+    if isinstance(value, bool) or value is None:
+        raise GumihoError(f"{name} must be a number (got {value!r})")
+    try:
+        number = float(value.strip() if isinstance(value, str) else value)
+    except (TypeError, ValueError, OverflowError):
+        raise GumihoError(f"{name} must be a number (got {_shown(value)})") from None
+    if not math.isfinite(number):
+        raise GumihoError(f"{name} must be a finite number (got {_shown(value)})")
+    return number
+
+
+def whole_number(name: str, value) -> int:
+    """`value` as an int; whole floats (3.0, "3") pass, 2.5 / NaN / inf / True do not."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    try:
+        number = real_number(name, value)
+    except GumihoError:
+        number = None
+    if number is None or number != int(number):
+        raise GumihoError(f"{name} must be a whole number (got {_shown(value)})")
+    return int(number)
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def settings_from_fields(*, max_new_tokens, temperature=0.0, top_p=1.0, speculative=True, stop_strings=(),
+                         tree: TreeSettings | None = None, on_overflow: str = "error") -> GenerationSettings:
+    """Settings from loose values (UI boxes, JSON fields): the one converter every front end uses.
+
+    Raises GumihoError with one line naming the field for a value that is not a number, not
+    finite, not whole where it must be, or out of the engine's range.
+    """
+    if not isinstance(speculative, bool):
+        raise GumihoError(f"speculative must be true or false (got {_shown(speculative)})")
+    sampling = SamplingSettings(temperature=real_number("temperature", temperature),
+                                top_p=real_number("top_p", top_p))
+    return GenerationSettings(max_new_tokens=whole_number("max new tokens", max_new_tokens),
+                              speculative=speculative, sampling=sampling, tree=tree or TreeSettings(),
+                              stop_strings=tuple(stop_strings), on_overflow=on_overflow)
