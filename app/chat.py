@@ -1,18 +1,20 @@
 """The chat logic every front end shares: prompt building, streaming an answer, saving it.
 
 The Gradio UI, the `/chat` endpoint and the OpenAI route all go through `ChatService`, so
-they build prompts, apply settings and record answers the same way.
+they build prompts, apply settings, take turns on the one engine and record answers the
+same way. Settings are checked in one place: `Options.settings` hands the values as typed
+to `gumiho_core.settings.settings_from_fields`, whose GumihoError names the bad field.
 """
 from __future__ import annotations
 
-import math
 import re
 import threading
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from collections.abc import Iterator
+from typing import TypeVar
 
-from gumiho_core import (ContextTooLong, DoneEvent, GenerationSettings, GumihoError, SamplingSettings, StepEvent,
-                         TreeSettings)
+from gumiho_core import ContextTooLong, DoneEvent, GenerationSettings, GumihoError, StepEvent, TreeSettings, loading
+from gumiho_core.settings import settings_from_fields
 
 from .render import step_from_event
 from .store import Store
@@ -20,7 +22,11 @@ from .store import Store
 
 @dataclass
 class Options:
-    """What the user set in the panel, for one answer."""
+    """What the user set for one answer, as typed (a form's or a JSON body's values).
+
+    Nothing is checked here: `settings` turns the values into the engine's settings, and
+    that is where a bad one is refused.
+    """
 
     system: str = ""
     speculative: bool = True
@@ -28,30 +34,11 @@ class Options:
     top_p: float = 1.0
     max_new_tokens: int = 256
 
-    def validate(self) -> None:
-        """One clear line (GumihoError) for a setting the engine would refuse."""
-        try:
-            temperature, top_p = float(self.temperature), float(self.top_p)
-        except (TypeError, ValueError):
-            raise GumihoError("temperature and top_p must be numbers") from None
-        if not (math.isfinite(temperature) and temperature >= 0):
-            raise GumihoError(f"temperature must be 0 or more (got {self.temperature})")
-        if not (math.isfinite(top_p) and 0 < top_p <= 1):
-            raise GumihoError(f"top_p must be more than 0 and at most 1 (got {self.top_p})")
-        try:
-            ok = float(self.max_new_tokens) == int(self.max_new_tokens) and int(self.max_new_tokens) >= 1
-        except (TypeError, ValueError, OverflowError):
-            ok = False
-        if not ok:
-            raise GumihoError(f"max new tokens must be a whole number, at least 1 (got {self.max_new_tokens})")
-
     def settings(self, tree: TreeSettings | None = None) -> GenerationSettings:
-        self.validate()
-        return GenerationSettings(
-            tree=tree or TreeSettings(),
-            max_new_tokens=int(self.max_new_tokens),
-            speculative=bool(self.speculative),
-            sampling=SamplingSettings(temperature=float(self.temperature), top_p=float(self.top_p)),
+        """The engine's settings for these options; a one-line GumihoError naming a bad field."""
+        return settings_from_fields(
+            max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
+            speculative=self.speculative, tree=tree,
             # ChatService.fit drops whole turns first; the engine must never cut a prompt mid-template.
             on_overflow="error",
         )
@@ -77,7 +64,7 @@ def clean_text(text) -> str:
     return _CONTROL.sub("", text)
 
 
-class Turns:
+class FairQueue:
     """A first-come first-served queue for the one engine: who is generating, who waits.
 
     `threading.Lock` is not fair and cannot say how many are ahead; this can, so the UI
@@ -142,7 +129,7 @@ class ChatService:
         self.tree = tree  # the draft tree of every answer; None = TreeSettings() defaults
         self.model_name = model_name
         self.heads_note = heads_note
-        self.turns = Turns()
+        self.queue = FairQueue()  # UI, /chat and /v1 answers, one at a time
 
     @property
     def has_heads(self) -> bool:
@@ -182,44 +169,75 @@ class ChatService:
             dropped += 1
             kept = kept[cut:]
 
-    def stream(self, history: list[dict], options: Options, cancel: threading.Event | None = None,
-               wait_timeout: float = 600.0) -> Iterator[Answer]:
+    def load_model(self, model: str | None = None, heads: str | None = None) -> None:
+        """Answer with `model` (a folder or .gguf; empty = the default) and `heads` from now on.
+
+        Only a load that succeeded changes anything: on any failure (missing, not a model,
+        corrupt, heads for another model) a one-line GumihoError says why and the current
+        model stays. The draft tree goes back to the defaults, because a tree measured for
+        the old heads says nothing about new ones.
+        """
+        model, heads = (model or "").strip() or None, (heads or "").strip() or None
+        try:
+            engine, heads_note = loading.load_engine(model, heads)
+        except GumihoError:
+            raise
+        except Exception as exc:
+            raise GumihoError(f"could not load {model or 'the default model'}: "
+                              f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}") from None
+        # Swap between answers, never under one that is using the old engine.
+        ticket = self.queue.join()
+        try:
+            self.queue.wait(ticket, timeout=None)
+            self.engine, self.heads_note, self.model_name, self.tree = engine, heads_note, model or "default", None
+        finally:
+            self.queue.leave(ticket)
+
+    def answer(self, history: list[dict], options: Options, cancel: threading.Event | None = None,
+               settings: GenerationSettings | None = None) -> Answer:
+        """The finished Answer (what `stream` yields last), for callers that do not show it grow."""
+        return last(self.stream(history, options, cancel, settings=settings))
+
+    def stream(self, history: list[dict], options: Options, cancel: threading.Event | None = None, *,
+               settings: GenerationSettings | None = None, wait_timeout: float = 600.0) -> Iterator[Answer]:
         """Yield the growing Answer after each target pass; the last one has done=True.
 
+        `settings` are `options.settings(self.tree)`, passed in by a caller that built them
+        already to check the options before storing anything; built here otherwise.
         Requests are served one at a time, first come first served; while one waits, the
         Answer it yields has `waiting` = how many are ahead. Never raises for generation
-        problems: a GumihoError (or any failure) ends the answer with `error` set and
-        whatever text came before it kept.
+        problems: a bad setting, a GumihoError (or any failure) ends the answer with `error`
+        set and whatever text came before it kept.
         """
         answer = Answer()
         ticket = None
         try:
-            options.validate()
-            if options.speculative and not self.has_heads:
+            settings = settings or options.settings(self.tree)
+            if settings.speculative and not self.has_heads:
                 raise GumihoError("speculative decoding needs draft heads, and none are loaded")
-            ticket = self.turns.join()
+            ticket = self.queue.join()
             waited = 0.0
-            while not self.turns.wait(ticket, timeout=0.25):
+            while not self.queue.wait(ticket, timeout=0.25):
                 waited += 0.25
                 if cancel is not None and cancel.is_set():
                     answer.finish_reason = "cancelled"
                     break
                 if waited >= wait_timeout:
                     raise GumihoError(f"the model stayed busy for {wait_timeout:.0f} s; try again later")
-                ahead = self.turns.ahead(ticket)
+                ahead = self.queue.ahead(ticket)
                 if ahead != answer.waiting:
                     answer.waiting = ahead
                     yield answer
             answer.waiting = 0
             if answer.finish_reason == "cancelled":
                 raise _Cancelled
-            prompt, kept, dropped = self.fit(options.system, history, options.max_new_tokens)
+            prompt, kept, dropped = self.fit(options.system, history, settings.max_new_tokens)
             if dropped:
                 total = len([m for m in history if m["role"] == "user"])
                 which = "turn 1" if dropped == 1 else f"turns 1–{dropped}"
                 answer.notice = (f"The conversation is longer than the model's context: the oldest {which} "
                                  f"(of {total}) {'was' if dropped == 1 else 'were'} left out of the prompt.")
-            for event in self.engine.generate(prompt, options.settings(self.tree), cancel=cancel):
+            for event in self.engine.generate(prompt, settings, cancel=cancel):
                 if isinstance(event, StepEvent):
                     answer.steps.append(step_from_event(event))
                     answer.text += event.text
@@ -236,7 +254,7 @@ class ChatService:
             answer.error, answer.finish_reason = _one_line(f"generation failed: {type(exc).__name__}: {exc}"), "error"
         finally:
             if ticket is not None:
-                self.turns.leave(ticket)
+                self.queue.leave(ticket)
         answer.done = True
         yield answer
 
@@ -253,8 +271,8 @@ class ChatService:
     def compare(self, history: list[dict], options: Options) -> tuple[Answer, Answer]:
         """The same prompt, greedy, speculation off then on. Returns (plain, gumiho)."""
         greedy = Options(system=options.system, temperature=0.0, top_p=1.0, max_new_tokens=options.max_new_tokens)
-        plain = _last(self.stream(history, Options(**{**greedy.__dict__, "speculative": False})))
-        gumiho = _last(self.stream(history, Options(**{**greedy.__dict__, "speculative": True})))
+        plain = self.answer(history, Options(**{**greedy.__dict__, "speculative": False}))
+        gumiho = self.answer(history, Options(**{**greedy.__dict__, "speculative": True}))
         return plain, gumiho
 
 
@@ -267,8 +285,12 @@ def _one_line(text: str) -> str:
     return line if len(line) <= 500 else line[:497] + "…"
 
 
-def _last(answers: Iterator[Answer]) -> Answer:
-    answer = None
-    for answer in answers:
+Item = TypeVar("Item")
+
+
+def last(items: Iterable[Item]) -> Item | None:
+    """Run a stream (answers, a handler's outputs) to its end and return its final item."""
+    item = None
+    for item in items:
         pass
-    return answer
+    return item

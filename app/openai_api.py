@@ -96,17 +96,15 @@ def make_router(service: ChatService, auth: tuple[str, str] | None = None) -> AP
         opts = Options(system=system, speculative=req.speculative, temperature=req.temperature, top_p=req.top_p,
                        max_new_tokens=256 if max_new is None else max_new)
         try:
-            opts.validate()
-            prompt_tokens = len(service.fit(system, history, opts.max_new_tokens)[0])
+            settings = opts.settings(service.tree)
+            prompt_tokens = len(service.fit(system, history, settings.max_new_tokens)[0])
         except GumihoError as exc:
             raise HTTPException(400, str(exc)) from None
         cid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
         base = {"id": cid, "created": created, "model": req.model or service.model_name}
 
         if not req.stream:
-            answer = None
-            for answer in service.stream(history, opts):
-                pass
+            answer = service.answer(history, opts, settings=settings)
             if answer.error:
                 raise HTTPException(400, answer.error)
             return {
@@ -126,7 +124,7 @@ def make_router(service: ChatService, auth: tuple[str, str] | None = None) -> AP
             try:
                 first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
                 yield f"data: {json.dumps({**chunk, 'choices': [first]})}\n\n"
-                for answer in service.stream(history, opts, cancel=cancel):
+                for answer in service.stream(history, opts, cancel=cancel, settings=settings):
                     if answer.done:
                         if answer.error:
                             yield f"data: {json.dumps({'error': {'message': answer.error}})}\n\n"

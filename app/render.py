@@ -251,6 +251,22 @@ def coloured_markdown_html(steps: list[dict]) -> str:
     return f'<div class="md coloured">{"".join(colourer.out)}</div>'
 
 
+def compare_html(plain, gumiho) -> str:
+    """The Compare box: two chat.Answer of one greedy prompt, plain and Gumiho, side by side."""
+    if plain.error or gumiho.error:
+        return f'<div class="compare error">{esc(plain.error or gumiho.error)}</div>'
+    p, g = plain.stats, gumiho.stats
+    same = plain.text == gumiho.text
+    speedup = g["tokens_per_s"] / p["tokens_per_s"] if p["tokens_per_s"] else 0.0
+    verdict = ("texts identical ✓" if same else "texts differ ✗ (should not happen with greedy decoding)")
+    return (
+        f'<div class="compare {"same" if same else "differ"}">'
+        f"<b>Compare (greedy):</b> plain {p['tokens_per_s']:.1f} tok/s ({p['forward_passes']} passes) · "
+        f"Gumiho {g['tokens_per_s']:.1f} tok/s ({g['forward_passes']} passes, τ {g['tau']:.2f}) · "
+        f"speed-up ×{speedup:.2f} · <span class=\"verdict\">{verdict}</span></div>"
+    )
+
+
 def legend_html() -> str:
     items = [
         ("tok o-serial", "serial head"),

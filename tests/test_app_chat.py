@@ -4,7 +4,7 @@ import threading
 import pytest
 
 import tiny
-from app.chat import ChatService, Options
+from app.chat import ChatService, Options, last
 from app.store import Store
 from gumiho_core import Engine, new_heads
 
@@ -18,13 +18,6 @@ def engine():
 @pytest.fixture
 def service(engine, tmp_path):
     return ChatService(engine, Store(tmp_path / "chat.db"), model_name="tiny", heads_note="untrained")
-
-
-def last(iterator):
-    item = None
-    for item in iterator:
-        pass
-    return item
 
 
 def test_stream_grows_and_ends_with_stats(service):
@@ -101,3 +94,47 @@ def test_answers_use_the_services_tree(service):
     small = last(service.stream([{"role": "user", "text": "w5 w6"}], Options(max_new_tokens=8)))
     assert small.stats["tree"]["total_tokens"] == 3 and small.stats["tree"]["top_k"] == 2
     assert max(len(s["tokens"]) for s in small.steps) <= 3  # at most 2 drafts + the target's token
+
+
+def test_load_model_swaps_only_on_success(service, monkeypatch):
+    from gumiho_core import GumihoError, TreeSettings, loading
+
+    before = service.engine
+    service.tree = TreeSettings(top_k=2, total_tokens=3, depth=2)
+    with pytest.raises(GumihoError, match="model path not found"):
+        service.load_model("/no/such/model", "")
+    assert (service.engine, service.model_name, service.heads_note) == (before, "tiny", "untrained")
+    assert service.tree.total_tokens == 3  # a failed load changes nothing
+
+    def broken(*args, **kwargs):
+        raise ValueError("not\na model")
+
+    monkeypatch.setattr(loading, "load_engine", broken)
+    with pytest.raises(GumihoError, match="could not load /x: ValueError: not a model"):
+        service.load_model("/x", None)
+    assert service.engine is before
+
+    target = tiny.tiny_target(eos=False)
+    fresh = Engine(target, None)
+    monkeypatch.setattr(loading, "load_engine", lambda model, heads: (fresh, "none here"))
+    service.load_model(" /models/other ", "")
+    assert (service.engine, service.model_name, service.heads_note, service.tree) == (
+        fresh, "/models/other", "none here", None)
+    assert not service.has_heads and len(service.queue) == 0
+
+
+def test_ui_binds_handlers_as_gradio_reads_them(service):
+    """Gradio finds gr.Request and the /chat API's types by type hints; the bound handlers keep them."""
+    from gradio import helpers, utils
+
+    from app import ui
+
+    demo = ui.build_ui(service)
+    fns = {f.name: f for f in demo.fns.values()}
+    assert fns["send"].types_generator and not fns["edit_last"].types_generator
+    assert helpers.special_args(fns["send"].fn, list(range(9)), request="REQ")[0][-1] == "REQ"
+    assert helpers.special_args(fns["stop"].fn, [], request="REQ")[0] == ["REQ"]
+    params = utils.get_function_params(fns["chat_api"].fn)
+    assert [(name, hint) for name, _, _, hint in params] == [
+        ("message", str), ("system", str), ("speculative", bool), ("max_new_tokens", int), ("temperature", float),
+        ("top_p", float)]

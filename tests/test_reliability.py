@@ -1,7 +1,7 @@
 """Issue 6: bad input, faults, concurrency, security — on tiny random models, no browser.
 
-The Gradio handlers are called directly (found in `demo.fns` by name), so the same code
-the browser runs is exercised without one; tests/test_server_process.py and
+The Gradio handlers (app/handlers.py) are called directly with a service, so the same
+code the browser runs is exercised without one; tests/test_server_process.py and
 tests/test_browser_reliability.py do the same through real processes and chromium.
 """
 import base64
@@ -17,8 +17,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 import tiny
-from app import ui
-from app.chat import ChatService, Options, clean_text
+from app import handlers
+from app.chat import ChatService, Options, clean_text, last
 from app.server import create_app, parse_auth
 from app.store import Store, StoreError, export_path, markdown_safe, safe_filename
 from gumiho_core import ContextTooLong, Engine, GumihoError, new_heads
@@ -29,32 +29,6 @@ ROOT = Path(__file__).resolve().parent.parent
 BAD_CONTROL = "a\x00b\x01c\x07d\x1be\x7ff\x85g\u0090h"
 
 
-def handler(demo, name):
-    """A handler of the Blocks by its name, also when it is wrapped in a lambda."""
-    for f in demo.fns.values():
-        if getattr(f.fn, "__name__", "") == name:
-            return f.fn
-        for var, cell in zip(getattr(f.fn, "__code__", None) and f.fn.__code__.co_freevars or (),
-                             getattr(f.fn, "__closure__", None) or ()):
-            if var == name:
-                return cell.cell_contents
-    raise LookupError(name)
-
-
-def run(gen):
-    out = None
-    for out in gen:
-        pass
-    return out
-
-
-def last(iterator):
-    item = None
-    for item in iterator:
-        pass
-    return item
-
-
 def status_of(outputs) -> str:
     return outputs[3] if isinstance(outputs[3], str) else ""
 
@@ -62,8 +36,8 @@ def status_of(outputs) -> str:
 SETTINGS = dict(spec_on=True, system_text="", temp=0.0, p=1.0, n=8, view_name="colours", rej=False, request=None)
 
 
-def send(demo, st, text, **kw):
-    return run(handler(demo, "send")(text, st, **{**SETTINGS, **kw}))
+def send(service, st, text, **kw):
+    return last(handlers.send(service, text, st, **{**SETTINGS, **kw}))
 
 
 def reference(engine, text, n=8):
@@ -94,24 +68,23 @@ BAD_SETTINGS = [  # (temperature, top_p, max new tokens, word in the message)
 def test_invalid_settings_are_one_clear_line(service, temperature, top_p, n, word):
     opts = Options(temperature=temperature, top_p=top_p, max_new_tokens=n)
     with pytest.raises(GumihoError, match=word) as info:
-        opts.validate()
+        opts.settings()
     assert "\n" not in str(info.value)
     final = last(service.stream([{"role": "user", "text": "w5"}], opts))
     assert final.finish_reason == "error" and word in final.error and not final.steps
 
 
 def test_ui_empty_and_invalid_input_store_nothing(service):
-    demo = ui.build_ui(service)
-    st = ui._new_state()
+    st = handlers.new_state()
     for text in ("", "   ", "\n\t \n", "\x00\x01\x7f", None):
-        out = send(demo, st, text)
+        out = send(service, st, text)
         assert "empty message is not sent" in status_of(out)
     for temp, p, n, word in BAD_SETTINGS[:10]:
-        out = send(demo, st, "w5 w6", temp=temp, p=p, n=n)
+        out = send(service, st, "w5 w6", temp=temp, p=p, n=n)
         assert word in status_of(out) and out[2] is not None  # the message stays in the box (gr.skip)
-    assert st == ui._new_state() and service.store.sessions() == []
+    assert st == handlers.new_state() and service.store.sessions() == []
     # Control characters are removed before storing; the answer comes and is saved.
-    out = send(demo, st, "w5" + BAD_CONTROL + " w6")
+    out = send(service, st, "w5" + BAD_CONTROL + " w6")
     rows = service.store.messages(st["session_id"])
     assert [r["role"] for r in rows] == ["user", "assistant"] and rows[0]["text"] == "w5abcdefgh w6"
     assert rows[1]["finish_reason"] == "length"
@@ -133,15 +106,14 @@ def test_long_history_drops_oldest_turns_and_says_which(engine, tmp_path):
     assert final.error is None and final.stats["new_tokens"] == 8
     assert f"turns 1–{dropped} (of 7)" in final.notice or (dropped == 1 and "turn 1 (of 7)" in final.notice)
     # Through the UI: the note is in the status line after the answer.
-    demo = ui.build_ui(small)
     st = {"session_id": None, "messages": [dict(m) for m in history[:-1]]}
-    out = send(demo, st, "w40 w41 w42", system_text="w7 w8")
+    out = send(small, st, "w40 w41 w42", system_text="w7 w8")
     assert "left out of the prompt" in status_of(out) and st["messages"][-1]["finish_reason"] == "length"
     # One message longer than the whole context: a clear message, nothing generated.
     huge = " ".join(["w5"] * 80)
     with pytest.raises(ContextTooLong, match="too long"):
         small.fit("", [{"role": "user", "text": huge}], 8)
-    out = send(demo, ui._new_state(), huge)
+    out = send(small, handlers.new_state(), huge)
     assert "the message is too long for the model" in status_of(out)
     assert "Shorten the message" in status_of(out)
 
@@ -179,8 +151,6 @@ def test_api_bad_input(engine, tmp_path):
 def test_bad_model_and_heads_paths_keep_the_app_running(service, tmp_path):
     from gumiho_core import HeadCheckpoint
 
-    demo = ui.build_ui(service)
-    load = handler(demo, "load_model")
     not_model = tmp_path / "not-a-model"
     not_model.mkdir()
     (not_model / "notes.txt").write_text("hello")
@@ -207,10 +177,10 @@ def test_bad_model_and_heads_paths_keep_the_app_running(service, tmp_path):
         ("", "/no/such/heads"), ("", str(heads_garbage)), ("", str(bin_file)), ("", str(mismatched)),
     ]
     for path, heads in tried:
-        note, _ = load(path, heads, ui._new_state())
+        note, _ = handlers.load_model(service, path, heads)
         assert note.startswith("**error:**") and "\n" not in note and "Traceback" not in note, (path, heads, note)
         assert service.engine is before
-    out = send(demo, ui._new_state(), "still alive")
+    out = send(service, handlers.new_state(), "still alive")
     assert out[1]["messages"][-1]["finish_reason"] == "length"
 
 
@@ -235,15 +205,14 @@ def test_stop_mid_step_leaves_engine_clean(service):
         finally:
             del service.engine.target.base.forward
         assert final.finish_reason == "cancelled" and 0 < final.stats["new_tokens"] < 200
-        assert not service.engine.lock.locked() and len(service.turns) == 0
+        assert not service.engine.lock.locked() and len(service.queue) == 0
         again = last(service.stream([{"role": "user", "text": "w20 w21"}], Options(max_new_tokens=30)))
         assert again.text == want and again.error is None
 
 
 def test_exception_inside_a_step_saves_partial_and_next_works(service):
-    demo = ui.build_ui(service)
-    st = ui._new_state()
-    send(demo, st, "w5 w6 w7")  # an earlier turn, so the fault is mid-conversation
+    st = handlers.new_state()
+    send(service, st, "w5 w6 w7")  # an earlier turn, so the fault is mid-conversation
     want = reference(service.engine, "w30 w31", n=8)
     forward = service.engine.target.base.forward
     for fault_at, exc in ((4, RuntimeError("CUDA out of memory")), (2, ValueError("bad tensor")),
@@ -258,14 +227,14 @@ def test_exception_inside_a_step_saves_partial_and_next_works(service):
 
         service.engine.target.base.forward = broken
         try:
-            out = send(demo, st, "w8 w9", n=40)
+            out = send(service, st, "w8 w9", n=40)
         finally:
             del service.engine.target.base.forward
         assert "generation failed" in status_of(out) and "partial answer was saved" in status_of(out)
         stored = service.store.messages(st["session_id"])[-1]
         assert stored["role"] == "assistant" and stored["finish_reason"] == "error" and stored["text"]
         assert not service.engine.lock.locked()
-        out = send(demo, ui._new_state(), "w30 w31")
+        out = send(service, handlers.new_state(), "w30 w31")
         assert out[1]["messages"][-1]["text"] == want
     roles = [m["role"] for m in service.store.messages(st["session_id"])]
     assert roles == ["user", "assistant"] * 4
@@ -304,11 +273,11 @@ def test_locked_database_is_reported_and_left_untouched(tmp_path):
 
 
 def test_serve_refuses_a_corrupt_database_with_one_line(tmp_path, monkeypatch, capsys):
-    import gumiho_core.cli
+    from gumiho_core import loading
     from gumiho_core.cli import main
 
     loaded = []
-    monkeypatch.setattr(gumiho_core.cli, "load_engine", lambda args: loaded.append(1))
+    monkeypatch.setattr(loading, "load_engine", lambda *args, **kwargs: loaded.append(1))
     path = tmp_path / "bad.db"
     content = os.urandom(5000)
     path.write_bytes(content)
@@ -356,14 +325,14 @@ def test_two_clients_are_served_in_order_with_positions(service):
         threads[-1].start()
         time.sleep(0.3)  # join the queue in this order
     time.sleep(0.5)
-    assert service.turns.ahead(max(service.turns._queue)) == 3  # the last one sees 3 ahead
+    assert service.queue.ahead(max(service.queue._queue)) == 3  # the last one sees 3 ahead
     gate.set()
     for t in threads:
         t.join(30)
     assert results == want  # every answer equals its single-user answer: nothing interleaved
     assert seen[prompts[1]][0] == 1 and seen[prompts[2]][0] == 2 and seen[prompts[3]][0] == 3
     assert all(s == sorted(s, reverse=True) for s in seen.values())  # positions only go down
-    assert len(service.turns) == 0
+    assert len(service.queue) == 0
 
 
 def test_stop_while_waiting_leaves_the_queue(service):
@@ -387,7 +356,7 @@ def test_stop_while_waiting_leaves_the_queue(service):
     assert final.done and final.finish_reason == "cancelled" and not final.steps
     gate.set()
     t.join(10)
-    assert len(service.turns) == 0
+    assert len(service.queue) == 0
 
 
 # -- 4. security ----------------------------------------------------------------------------------
@@ -407,14 +376,12 @@ def test_export_names_stay_in_the_folder(tmp_path):
 
 
 def test_exports_through_the_ui_escape_html_and_stay_in_folder(service, tmp_path):
-    demo = ui.build_ui(service)
-    export = handler(demo, "export")
     for title in HOSTILE_TITLES[:9] + [HOSTILE_TITLES[-1]]:
         sid = service.store.create_session(title)
         service.store.add_message(sid, "user", '<script>alert(1)</script> and `a<b` code')
         service.store.add_message(sid, "assistant", '<img src=x onerror=alert(2)>\n```\nif a < b: pass\n```')
         for kind in ("json", "md"):
-            path = Path(export(sid, kind))
+            path = Path(handlers.export(service, sid, kind))
             assert path.exists() and path.parent.name.startswith("gumiho-export-")
             assert re.fullmatch(r"[A-Za-z0-9-]+\.(json|md)", path.name)
             text = path.read_text()
@@ -472,7 +439,7 @@ def test_auth_protects_ui_and_api(engine, tmp_path):
 def test_auth_option_and_env(monkeypatch, tmp_path, capsys):
     import uvicorn
 
-    import gumiho_core.cli
+    from gumiho_core import loading
     from gumiho_core.cli import build_parser
 
     assert parse_auth("a:b:c") == ("a", "b:c") and parse_auth(None) is None
@@ -480,7 +447,7 @@ def test_auth_option_and_env(monkeypatch, tmp_path, capsys):
         with pytest.raises(GumihoError, match="USER:PASSWORD"):
             parse_auth(bad)
     target = tiny.tiny_target()
-    monkeypatch.setattr(gumiho_core.cli, "load_engine", lambda args: (Engine(target, new_heads(target)), "untrained"))
+    monkeypatch.setattr(loading, "load_engine", lambda *a, **k: (Engine(target, new_heads(target)), "untrained"))
     apps = []
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: apps.append((app, kw)))
     args = build_parser().parse_args(["serve", "--host", "0.0.0.0", "--db", str(tmp_path / "a.db"), "--auth", "u:p"])

@@ -1,0 +1,316 @@
+"""What the UI's buttons do: plain functions of the chat service, one per event.
+
+Each handler takes the `ChatService` first, then the values of its input components in
+the order app/ui.py lists them, and returns (or, while an answer streams, yields) the
+new values of its output components; `gr.skip()` leaves one as it is. ui.py binds the
+service in and wires them; tests call them directly with a service.
+
+Per-browser state is {"session_id": int | None, "messages": [...]}; every message that is
+in the database carries its row "id".
+"""
+from __future__ import annotations
+
+import tempfile
+import threading
+from dataclasses import replace
+from pathlib import Path
+
+import gradio as gr
+
+from gumiho_core import GenerationSettings, GumihoError
+
+from . import render
+from .chat import Answer, ChatService, Options, clean_text
+from .store import export_path
+
+# Stop buttons find the running generation by the browser session's hash.
+_cancels: dict[str, threading.Event] = {}
+
+
+def new_state() -> dict:
+    return {"session_id": None, "messages": []}
+
+
+# -- helpers the handlers share -------------------------------------------------------------------
+def session_choices(service: ChatService) -> list[tuple[str, int]]:
+    if service.store is None:
+        return []
+    return [(f"{s['title']}  ·  {s['created'][:16].replace('T', ' ')}", s["id"]) for s in service.store.sessions()]
+
+
+def sessions_update(service: ChatService, selected) -> dict:
+    return gr.update(choices=session_choices(service), value=selected)
+
+
+def load_messages(service: ChatService, session_id: int) -> list[dict]:
+    """A stored session as UI messages, each answer with the stats of its (last) run."""
+    stats_by_message = {}
+    for row in service.store.stats(session_id):
+        stats_by_message[row["message_id"]] = {
+            **row, "acceptance_per_depth": row["acceptance"], "speculative": bool(row["speculative"]),
+        }
+    return [{"id": m["id"], "role": m["role"], "text": m["text"], "steps": m["steps"],
+             "finish_reason": m["finish_reason"], "stats": stats_by_message.get(m["id"])}
+            for m in service.store.messages(session_id)]
+
+
+def read_options(service: ChatService, spec_on, system_text, temp, p, n) -> tuple[Options, GenerationSettings]:
+    """The panel's values as Options and the engine's settings; GumihoError for a bad value."""
+    opts = Options(system=clean_text(system_text), speculative=bool(spec_on), temperature=temp, top_p=p,
+                   max_new_tokens=n)
+    settings = opts.settings(service.tree)
+    # The session row keeps the numbers the engine got, not the form's raw values.
+    return replace(opts, temperature=settings.sampling.temperature, top_p=settings.sampling.top_p,
+                   max_new_tokens=settings.max_new_tokens), settings
+
+
+def settings_problem(exc: GumihoError) -> str:
+    return f"**Settings: {render.esc(str(exc))}**"
+
+
+def ensure_session(service: ChatService, st: dict, title: str, opts: Options) -> None:
+    if service.store is None:
+        return
+    if st["session_id"] is None:
+        st["session_id"] = service.store.create_session(
+            title[:48] or "New chat", model=service.model_name, heads=service.heads_note, settings=opts.__dict__,
+        )
+    else:
+        service.store.update_session(st["session_id"], settings=opts.__dict__)
+
+
+def add_user(service: ChatService, st: dict, text: str) -> None:
+    mid = service.store.add_message(st["session_id"], "user", text) if service.store else None
+    st["messages"].append({"id": mid, "role": "user", "text": text})
+
+
+def drop_last_answer(service: ChatService, st: dict) -> None:
+    """Take the last message out (and out of the database) if it is an answer."""
+    if st["messages"] and st["messages"][-1]["role"] == "assistant":
+        dropped = st["messages"].pop()
+        if service.store and dropped.get("id"):
+            service.store.delete_messages([dropped["id"]])
+
+
+def keep_answer(service: ChatService, st: dict, answer: Answer, speculative: bool) -> None:
+    """Add a finished (or partial) answer to the chat and, in a session, to the database."""
+    message = answer.as_message()
+    if service.store is not None and st["session_id"] is not None:
+        message["id"] = service.save_answer(st["session_id"], answer, speculative)
+    st["messages"].append(message)
+
+
+def stream_answer(service: ChatService, st: dict, opts: Options, settings: GenerationSettings, view_name, rej,
+                  request: gr.Request | None):
+    """Yield outputs while the answer grows; save it (complete or partial) at the end."""
+    key = request.session_hash if request else "default"
+    cancel = _cancels[key] = threading.Event()
+    answer = Answer()
+    try:
+        for answer in service.stream(st["messages"], opts, cancel=cancel, settings=settings):
+            # The input box is left alone (gr.skip()): what the user types while an
+            # answer streams is theirs, and a Send pressed meanwhile runs next with it.
+            if answer.waiting:
+                yield gr.skip(), st, gr.skip(), f"*waiting: {answer.waiting} ahead…*", gr.skip()
+                continue
+            shown = st["messages"] + [answer.as_message()]
+            note = f"*generating…* {render.esc(answer.notice)}".strip()
+            yield render.chat_html(shown, view_name, rej), st, gr.skip(), note, gr.skip()
+    finally:
+        # Also reached when the browser goes away mid-answer: the partial text is kept.
+        _cancels.pop(key, None)
+        if answer.steps or answer.error:
+            keep_answer(service, st, answer, settings.speculative)
+    note = f"**{render.esc(answer.error)}**" if answer.error else ""
+    if answer.error and answer.steps:
+        note += " The partial answer was saved."
+    if answer.notice:
+        note = f"{note} {render.esc(answer.notice)}".strip()
+    yield (render.chat_html(st["messages"], view_name, rej), st, gr.skip(), note,
+           sessions_update(service, st["session_id"]))
+
+
+# -- the Chat tab ---------------------------------------------------------------------------------
+# send and regenerate output (chat, state, message box, status, sessions list).
+def send(service: ChatService, text, st, spec_on, system_text, temp, p, n, view_name, rej,
+         request: gr.Request | None):
+    text = clean_text(text).strip()
+    if not text:
+        yield gr.skip(), st, "", "Type a message first: an empty message is not sent.", gr.skip()
+        return
+    try:
+        opts, settings = read_options(service, spec_on, system_text, temp, p, n)
+    except GumihoError as exc:  # nothing stored; the message stays in the box
+        yield gr.skip(), st, gr.skip(), settings_problem(exc), gr.skip()
+        return
+    ensure_session(service, st, text, opts)
+    add_user(service, st, text)
+    # The message is taken: empty the box once, now, and show it in the chat.
+    yield render.chat_html(st["messages"], view_name, rej), st, "", "*generating…*", gr.skip()
+    yield from stream_answer(service, st, opts, settings, view_name, rej, request)
+
+
+def regenerate(service: ChatService, text, st, spec_on, system_text, temp, p, n, view_name, rej,
+               request: gr.Request | None):
+    if not st["messages"]:
+        yield gr.skip(), st, gr.skip(), "Nothing to regenerate.", gr.skip()
+        return
+    try:
+        opts, settings = read_options(service, spec_on, system_text, temp, p, n)
+    except GumihoError as exc:
+        yield gr.skip(), st, gr.skip(), settings_problem(exc), gr.skip()
+        return
+    drop_last_answer(service, st)
+    ensure_session(service, st, st["messages"][-1]["text"], opts)
+    yield from stream_answer(service, st, opts, settings, view_name, rej, request)
+
+
+def stop(request: gr.Request | None):
+    event = _cancels.get(request.session_hash if request else "default")
+    if event:
+        event.set()
+    return "*stopping…*"
+
+
+def edit_last(service: ChatService, st, view_name, rej):
+    """Take the last user message (and its answer) out, back into the input box."""
+    users = [i for i, m in enumerate(st["messages"]) if m["role"] == "user"]
+    if not users:
+        return gr.skip(), st, gr.skip(), "No message to edit."
+    cut = users[-1]
+    removed = st["messages"][cut:]
+    st["messages"] = st["messages"][:cut]
+    if service.store:
+        service.store.delete_messages([m["id"] for m in removed if m.get("id")])
+    return (render.chat_html(st["messages"], view_name, rej), st, removed[0]["text"],
+            "Edit the message and press Send.")
+
+
+def clear(view_name, rej):
+    """A fresh chat: (chat, state, message box, status, sessions list, compare box)."""
+    return render.chat_html([], view_name, rej), new_state(), "", "", gr.update(value=None), ""
+
+
+def redraw(st, view_name, rej):
+    return render.chat_html(st["messages"], view_name, rej)
+
+
+def compare(service: ChatService, text, st, system_text, n, view_name, rej):
+    """The message (or the last one again) answered plain, then with Gumiho, greedy both times."""
+    text = clean_text(text).strip()
+    try:
+        opts, _ = read_options(service, True, system_text, 0.0, 1.0, n)
+    except GumihoError as exc:
+        yield gr.skip(), st, gr.skip(), settings_problem(exc), gr.skip(), ""
+        return
+    if not service.has_heads:
+        yield gr.skip(), st, gr.skip(), "**Compare needs draft heads.**", gr.skip(), ""
+        return
+    if text:
+        ensure_session(service, st, text, opts)
+        add_user(service, st, text)
+    else:
+        drop_last_answer(service, st)
+    if not st["messages"]:
+        yield gr.skip(), st, gr.skip(), "Type a prompt to compare.", gr.skip(), ""
+        return
+    yield (render.chat_html(st["messages"], view_name, rej), st, "", "*comparing: plain, then Gumiho…*",
+           gr.skip(), "")
+    plain, gumiho = service.compare(st["messages"], opts)
+    if st["session_id"] is not None and service.store is not None and plain.stats:
+        service.store.add_stats(st["session_id"], None, plain.stats, plain.finish_reason or "",
+                                model=service.model_name)
+    keep_answer(service, st, gumiho, True)
+    yield (render.chat_html(st["messages"], view_name, rej), st, "", "", sessions_update(service, st["session_id"]),
+           render.compare_html(plain, gumiho))
+
+
+def load_model(service: ChatService, path, heads):
+    """The Model accordion: (model note, speculative checkbox)."""
+    try:
+        service.load_model(path, heads)
+    except GumihoError as exc:  # not a model, unreadable, mismatched: the old model stays
+        return f"**error:** {render.esc(str(exc))}", gr.skip()
+    return model_note(service), gr.update(value=service.has_heads)
+
+
+def model_note(service: ChatService) -> str:
+    heads = service.heads_note or ("none" if not service.has_heads else "loaded")
+    return f"Model: **{render.esc(service.model_name)}** · heads: **{render.esc(heads)}**"
+
+
+# -- the sessions sidebar -------------------------------------------------------------------------
+def list_sessions(service: ChatService):
+    return gr.update(choices=session_choices(service))
+
+
+def open_session(service: ChatService, session_id, view_name, rej):
+    """(chat, state, status, system prompt) of a stored session."""
+    if session_id is None or service.store is None:
+        return gr.skip(), gr.skip(), gr.skip(), gr.skip()
+    row = service.store.session(int(session_id))
+    if row is None:
+        return gr.skip(), gr.skip(), "Session not found.", gr.skip()
+    st = {"session_id": row["id"], "messages": load_messages(service, row["id"])}
+    system_text = row["settings"].get("system", gr.skip())
+    return render.chat_html(st["messages"], view_name, rej), st, "", system_text
+
+
+def rename(service: ChatService, session_id, title, st):
+    title = clean_text(title).replace("\n", " ").replace("\t", " ").strip()
+    if session_id is None or not title:
+        return gr.skip(), "Pick a session and type a title."
+    service.store.rename_session(int(session_id), title[:200])
+    return sessions_update(service, session_id), "Renamed."
+
+
+def delete(service: ChatService, session_id, st, view_name, rej):
+    if session_id is None:
+        return gr.skip(), st, gr.skip(), "Pick a session to delete."
+    service.store.delete_session(int(session_id))
+    if st["session_id"] == int(session_id):
+        st = new_state()
+    return sessions_update(service, st["session_id"]), st, render.chat_html(st["messages"], view_name, rej), "Deleted."
+
+
+def export(service: ChatService, session_id, kind: str) -> str | None:
+    """The session as a JSON or Markdown file in a fresh folder; its path, for gr.File."""
+    if session_id is None:
+        return None
+    row = service.store.session(int(session_id))
+    if row is None:
+        return None
+    text = service.store.export_json(row["id"]) if kind == "json" else service.store.export_markdown(row["id"])
+    folder = Path(tempfile.mkdtemp(prefix="gumiho-export-"))
+    path = export_path(folder, row["title"], "json" if kind == "json" else "md")
+    path.write_text(text, encoding="utf-8")
+    return str(path)
+
+
+# -- the Stats tab --------------------------------------------------------------------------------
+def stats_outputs(service: ChatService):
+    """(speed plot, tau plot, table): one frame of every stored answer feeds all three."""
+    import pandas as pd
+
+    rows = service.store.stats() if service.store else []
+    frame = pd.DataFrame(
+        [{"n": i + 1, "mode": "Gumiho" if r["speculative"] else "plain", "tokens_per_s": round(r["tokens_per_s"], 2),
+          "tau": round(r["tau"], 3), "ttft_ms": round(r["ttft_s"] * 1e3), "new_tokens": r["new_tokens"],
+          "forward_passes": r["forward_passes"], "model": r.get("model") or "", "when": r["created"]}
+         for i, r in enumerate(rows)],
+        columns=["n", "mode", "tokens_per_s", "tau", "ttft_ms", "new_tokens", "forward_passes", "model", "when"],
+    )
+    return frame, frame, frame
+
+
+# -- the /chat API (gradio_client) ----------------------------------------------------------------
+def chat_api(service: ChatService, message: str, system: str = "", speculative: bool = True,
+             max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0) -> dict:
+    """One answer to `message`: {"text", "finish_reason", "stats", "error"}."""
+    message = clean_text(message).strip()
+    if not message:
+        return {"text": "", "finish_reason": "error", "stats": None, "error": "the message is empty"}
+    opts = Options(system=clean_text(system), speculative=speculative, temperature=temperature, top_p=top_p,
+                   max_new_tokens=max_new_tokens)
+    answer = service.answer([{"role": "user", "text": message}], opts)
+    return {"text": answer.text, "finish_reason": answer.finish_reason, "stats": answer.stats, "error": answer.error}
