@@ -13,12 +13,14 @@ import secrets
 import threading
 import time
 import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 from fastapi import APIRouter, Depends, HTTPException, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
-from gumiho_core import GumihoError
+from gumiho_core import GenerationSettings, GumihoError
 
 from .chat import ChatService, Options, clean_text
 
@@ -85,65 +87,80 @@ def make_router(service: ChatService, auth: tuple[str, str] | None = None) -> AP
 
     @router.post("/v1/chat/completions")
     def completions(req: ChatRequest):
-        system = clean_text("\n".join(m.content for m in req.messages if m.role == "system"))
-        history = [{"role": m.role, "text": clean_text(m.content)} for m in req.messages
-                   if m.role in ("user", "assistant")]
-        if not any(m["role"] == "user" for m in history):
-            raise HTTPException(400, "messages must contain at least one user message")
-        if not history[-1]["text"].strip():
-            raise HTTPException(400, "the last message is empty")
-        max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        opts = Options(system=system, speculative=req.speculative, temperature=req.temperature, top_p=req.top_p,
-                       max_new_tokens=256 if max_new is None else max_new)
+        history, opts = _conversation(req)
         try:
-            settings = opts.settings(service.tree)
-            prompt_tokens = len(service.fit(system, history, settings.max_new_tokens)[0])
+            settings = opts.settings(service.tree)  # built once: every refusal is a 400 before anything runs
+            prompt_tokens = len(service.fit(opts.system, history, settings.max_new_tokens)[0])
         except GumihoError as exc:
             raise HTTPException(400, str(exc)) from None
-        cid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
-        base = {"id": cid, "created": created, "model": req.model or service.model_name}
-
+        reply = Reply(service, history, opts, settings, prompt_tokens,
+                      {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
+                       "model": req.model or service.model_name})
         if not req.stream:
-            answer = service.answer(history, opts, settings=settings)
-            if answer.error:
-                raise HTTPException(400, answer.error)
-            return {
-                **base, "object": "chat.completion",
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": answer.text},
-                             "finish_reason": FINISH.get(answer.finish_reason, "stop")}],
-                "usage": _usage(answer.stats, prompt_tokens),
-            }
-
-        cancel = threading.Event()
-
-        def events():
-            # Starlette closes this generator when the client disconnects; the engine then
-            # stops at its next step and releases its lock.
-            sent = 0
-            chunk = {**base, "object": "chat.completion.chunk"}
-            try:
-                first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-                yield f"data: {json.dumps({**chunk, 'choices': [first]})}\n\n"
-                for answer in service.stream(history, opts, cancel=cancel, settings=settings):
-                    if answer.done:
-                        if answer.error:
-                            yield f"data: {json.dumps({'error': {'message': answer.error}})}\n\n"
-                            break
-                        delta = answer.text[sent:]
-                        final = {"index": 0, "delta": {"content": delta} if delta else {},
-                                 "finish_reason": FINISH.get(answer.finish_reason, "stop")}
-                        body = {**chunk, "choices": [final], "usage": _usage(answer.stats, prompt_tokens)}
-                        yield f"data: {json.dumps(body)}\n\n"
-                        break
-                    delta = answer.text[sent:]
-                    sent = len(answer.text)
-                    if delta:
-                        piece = {"index": 0, "delta": {"content": delta}, "finish_reason": None}
-                        yield f"data: {json.dumps({**chunk, 'choices': [piece]})}\n\n"
-                yield "data: [DONE]\n\n"
-            finally:
-                cancel.set()
-
-        return StreamingResponse(events(), media_type="text/event-stream")
+            return reply.completion()
+        return StreamingResponse(reply.chunks(), media_type="text/event-stream")
 
     return router
+
+
+def _conversation(req: ChatRequest) -> tuple[list[dict], Options]:
+    """The request as chat history and Options (values as sent: Options.settings checks them)."""
+    system = clean_text("\n".join(m.content for m in req.messages if m.role == "system"))
+    history = [{"role": m.role, "text": clean_text(m.content)} for m in req.messages if m.role in ("user", "assistant")]
+    if not any(m["role"] == "user" for m in history):
+        raise HTTPException(400, "messages must contain at least one user message")
+    if not history[-1]["text"].strip():
+        raise HTTPException(400, "the last message is empty")
+    max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    return history, Options(system=system, speculative=req.speculative, temperature=req.temperature,
+                            top_p=req.top_p, max_new_tokens=256 if max_new is None else max_new)
+
+
+@dataclass
+class Reply:
+    """One checked request, answered whole (`completion`) or as server-sent events (`chunks`)."""
+
+    service: ChatService
+    history: list[dict]
+    options: Options
+    settings: GenerationSettings
+    prompt_tokens: int
+    base: dict  # id, created, model: the same in every chunk
+
+    def completion(self) -> dict:
+        answer = self.service.answer(self.history, self.options, settings=self.settings)
+        if answer.error:
+            raise HTTPException(400, answer.error)
+        return {
+            **self.base, "object": "chat.completion",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": answer.text},
+                         "finish_reason": FINISH.get(answer.finish_reason, "stop")}],
+            "usage": _usage(answer.stats, self.prompt_tokens),
+        }
+
+    def chunks(self) -> Iterator[str]:
+        # Starlette closes this generator when the client disconnects; the engine then
+        # stops at its next step and releases its lock.
+        cancel = threading.Event()
+        sent = 0
+        try:
+            yield self._event({"role": "assistant", "content": ""}, None)
+            for answer in self.service.stream(self.history, self.options, cancel=cancel, settings=self.settings):
+                if answer.done and answer.error:
+                    yield f"data: {json.dumps({'error': {'message': answer.error}})}\n\n"
+                    break
+                delta, sent = answer.text[sent:], len(answer.text)
+                if answer.done:
+                    yield self._event({"content": delta} if delta else {}, FINISH.get(answer.finish_reason, "stop"),
+                                      usage=_usage(answer.stats, self.prompt_tokens))
+                    break
+                if delta:
+                    yield self._event({"content": delta}, None)
+            yield "data: [DONE]\n\n"
+        finally:
+            cancel.set()
+
+    def _event(self, delta: dict, finish_reason: str | None, **extra) -> str:
+        body = {**self.base, "object": "chat.completion.chunk",
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}], **extra}
+        return f"data: {json.dumps(body)}\n\n"
