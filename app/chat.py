@@ -216,21 +216,7 @@ class ChatService:
             if settings.speculative and not self.has_heads:
                 raise GumihoError("speculative decoding needs draft heads, and none are loaded")
             ticket = self.queue.join()
-            waited = 0.0
-            while not self.queue.wait(ticket, timeout=0.25):
-                waited += 0.25
-                if cancel is not None and cancel.is_set():
-                    answer.finish_reason = "cancelled"
-                    break
-                if waited >= wait_timeout:
-                    raise GumihoError(f"the model stayed busy for {wait_timeout:.0f} s; try again later")
-                ahead = self.queue.ahead(ticket)
-                if ahead != answer.waiting:
-                    answer.waiting = ahead
-                    yield answer
-            answer.waiting = 0
-            if answer.finish_reason == "cancelled":
-                raise _Cancelled
+            yield from self._wait_for_turn(ticket, answer, cancel, wait_timeout)
             prompt, kept, dropped = self.fit(options.system, history, settings.max_new_tokens)
             if dropped:
                 total = len([m for m in history if m["role"] == "user"])
@@ -257,6 +243,26 @@ class ChatService:
                 self.queue.leave(ticket)
         answer.done = True
         yield answer
+
+    def _wait_for_turn(self, ticket: int, answer: Answer, cancel: threading.Event | None,
+                       wait_timeout: float) -> Iterator[Answer]:
+        """Wait until `ticket` is first in line, yielding `answer` whenever the number ahead changes.
+
+        Raises _Cancelled when Stop is pressed meanwhile, GumihoError after `wait_timeout` s.
+        """
+        waited = 0.0
+        while not self.queue.wait(ticket, timeout=0.25):
+            waited += 0.25
+            if cancel is not None and cancel.is_set():
+                answer.waiting, answer.finish_reason = 0, "cancelled"
+                raise _Cancelled
+            if waited >= wait_timeout:
+                raise GumihoError(f"the model stayed busy for {wait_timeout:.0f} s; try again later")
+            ahead = self.queue.ahead(ticket)
+            if ahead != answer.waiting:
+                answer.waiting = ahead
+                yield answer
+        answer.waiting = 0
 
     def save_answer(self, session_id: int, answer: Answer, speculative: bool) -> int:
         """Store an answer (complete or partial) and its stats; returns the message id."""

@@ -1,9 +1,9 @@
 """What the UI's buttons do: plain functions of the chat service, one per event.
 
-Each handler takes the `ChatService` first, then the values of its input components in
-the order app/ui.py lists them, and returns (or, while an answer streams, yields) the
-new values of its output components; `gr.skip()` leaves one as it is. ui.py binds the
-service in and wires them; tests call them directly with a service.
+A handler takes the `ChatService` first (those that need it), then the values of its
+input components in the order app/ui.py lists them, and returns (or, while an answer
+streams, yields) the new values of its output components; `gr.skip()` leaves one as it
+is. ui.py binds the service in and wires them; tests call them directly with a service.
 
 Per-browser state is {"session_id": int | None, "messages": [...]}; every message that is
 in the database carries its row "id".
