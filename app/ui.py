@@ -64,118 +64,121 @@ def bind(handler, service: ChatService):
 def _sidebar() -> SimpleNamespace:
     with gr.Sidebar(label="Sessions", open=True, elem_id="sidebar"):
         gr.Markdown("### Sessions")
-        ui = SimpleNamespace(new=gr.Button("New chat", size="sm"))
-        ui.sessions = gr.Radio(label="Past sessions", choices=[], elem_id="session-list")
-        ui.rename_box = gr.Textbox(label="Rename selected", placeholder="new title", elem_id="rename-box")
+        sidebar = SimpleNamespace(new=gr.Button("New chat", size="sm"))
+        sidebar.sessions = gr.Radio(label="Past sessions", choices=[], elem_id="session-list")
+        sidebar.rename_box = gr.Textbox(label="Rename selected", placeholder="new title", elem_id="rename-box")
         with gr.Row():
-            ui.rename = gr.Button("Rename", size="sm")
-            ui.delete = gr.Button("Delete", size="sm", variant="stop")
+            sidebar.rename = gr.Button("Rename", size="sm")
+            sidebar.delete = gr.Button("Delete", size="sm", variant="stop")
         with gr.Row():
-            ui.export_json = gr.Button("Export JSON", size="sm")
-            ui.export_md = gr.Button("Export Markdown", size="sm")
-        ui.export_file = gr.File(label="Export", interactive=False, elem_id="export-file")
-    return ui
+            sidebar.export_json = gr.Button("Export JSON", size="sm")
+            sidebar.export_md = gr.Button("Export Markdown", size="sm")
+        sidebar.export_file = gr.File(label="Export", interactive=False, elem_id="export-file")
+    return sidebar
 
 
 def _chat_tab(service: ChatService) -> SimpleNamespace:
     with gr.Tab("Chat"):
         gr.HTML(render.legend_html(), js_on_load=None)
-        ui = SimpleNamespace(chat=gr.HTML(render.chat_html([]), elem_id="chat", js_on_load=None))
-        ui.status = gr.Markdown("", elem_id="status")
-        ui.compare_box = gr.HTML("", elem_id="compare", js_on_load=None)
+        chat = SimpleNamespace(log=gr.HTML(render.chat_html([]), elem_id="chat", js_on_load=None))
+        chat.status = gr.Markdown("", elem_id="status")
+        chat.compare_box = gr.HTML("", elem_id="compare", js_on_load=None)
         with gr.Row():
-            ui.msg = gr.Textbox(placeholder="Message (Enter to send)", show_label=False, scale=6, elem_id="msg",
-                                lines=1)
-            ui.send = gr.Button("Send", variant="primary", scale=1, elem_id="send")
+            chat.msg = gr.Textbox(placeholder="Message (Enter to send)", show_label=False, scale=6, elem_id="msg",
+                                  lines=1)
+            chat.send = gr.Button("Send", variant="primary", scale=1, elem_id="send")
         with gr.Row():
-            ui.stop = gr.Button("Stop", elem_id="stop")
-            ui.regen = gr.Button("Regenerate", elem_id="regen")
-            ui.edit = gr.Button("Edit last", elem_id="edit")
-            ui.clear = gr.Button("Clear", elem_id="clear")
-            ui.compare = gr.Button("Compare off/on", elem_id="compare-btn")
-        _settings_panel(service, ui)
-        _model_panel(service, ui)
-    return ui
+            chat.stop = gr.Button("Stop", elem_id="stop")
+            chat.regen = gr.Button("Regenerate", elem_id="regen")
+            chat.edit = gr.Button("Edit last", elem_id="edit")
+            chat.clear = gr.Button("Clear", elem_id="clear")
+            chat.compare = gr.Button("Compare off/on", elem_id="compare-btn")
+        _settings_panel(service, chat)
+        _model_panel(service, chat)
+    return chat
 
 
-def _settings_panel(service: ChatService, ui: SimpleNamespace) -> None:
+def _settings_panel(service: ChatService, chat: SimpleNamespace) -> None:
     with gr.Accordion("Settings", open=True):
         with gr.Row():
-            ui.spec = gr.Checkbox(value=service.has_heads, label="Speculative decoding (Gumiho)", elem_id="spec")
-            ui.view = gr.Radio([("Colours", "colours"), ("Raw tokens", "tokens"), ("Markdown", "markdown")],
-                               value="colours", label="View", elem_id="view")
-            ui.show_rej = gr.Checkbox(value=False, label="Show rejected drafts (struck through)", elem_id="show-rej")
-        ui.system = gr.Textbox(label="System prompt", value="You are a helpful assistant.", lines=2)
+            chat.spec = gr.Checkbox(value=service.has_heads, label="Speculative decoding (Gumiho)", elem_id="spec")
+            chat.view = gr.Radio([("Colours", "colours"), ("Raw tokens", "tokens"), ("Markdown", "markdown")],
+                                 value="colours", label="View", elem_id="view")
+            chat.show_rej = gr.Checkbox(value=False, label="Show rejected drafts (struck through)",
+                                        elem_id="show-rej")
+        chat.system = gr.Textbox(label="System prompt", value="You are a helpful assistant.", lines=2)
         with gr.Row():
-            ui.temperature = gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="Temperature (0 = greedy)")
-            ui.top_p = gr.Slider(0.05, 1.0, value=1.0, step=0.05, label="top_p")
-            ui.max_new = gr.Slider(1, 2048, value=256, step=1, label="Max new tokens", elem_id="max-new")
+            chat.temperature = gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="Temperature (0 = greedy)")
+            chat.top_p = gr.Slider(0.05, 1.0, value=1.0, step=0.05, label="top_p")
+            chat.max_new = gr.Slider(1, 2048, value=256, step=1, label="Max new tokens", elem_id="max-new")
 
 
-def _model_panel(service: ChatService, ui: SimpleNamespace) -> None:
+def _model_panel(service: ChatService, chat: SimpleNamespace) -> None:
     with gr.Accordion("Model", open=False):
-        ui.model_status = gr.Markdown(handlers.model_note(service))
+        chat.model_status = gr.Markdown(handlers.model_note(service))
         with gr.Row():
             # Suggestions from models/, assets/heads/ and runs/; any local path can be typed.
-            ui.model_path = gr.Dropdown(["", *models.model_choices()], value="", allow_custom_value=True,
-                                        label="Model folder or .gguf (empty = default)", elem_id="model-path")
-            ui.heads_path = gr.Dropdown(["", *models.heads_choices()], value="", allow_custom_value=True,
-                                        label="Heads folder (empty = shipped or untrained)", elem_id="heads-path")
-        ui.load = gr.Button("Load model")
+            chat.model_path = gr.Dropdown(["", *models.model_choices()], value="", allow_custom_value=True,
+                                          label="Model folder or .gguf (empty = default)", elem_id="model-path")
+            chat.heads_path = gr.Dropdown(["", *models.heads_choices()], value="", allow_custom_value=True,
+                                          label="Heads folder (empty = shipped or untrained)", elem_id="heads-path")
+        chat.load = gr.Button("Load model")
 
 
 def _stats_tab() -> SimpleNamespace:
     with gr.Tab("Stats") as tab:
         gr.Markdown("Speed and τ of every stored answer, speculative vs plain.")
-        ui = SimpleNamespace(tab=tab, refresh=gr.Button("Refresh", size="sm"))
+        stats = SimpleNamespace(tab=tab, refresh=gr.Button("Refresh", size="sm"))
         speed = gr.LinePlot(x="n", y="tokens_per_s", color="mode", title="tokens/s per answer", x_title="answer #")
         tau = gr.LinePlot(x="n", y="tau", color="mode", title="τ (tokens per target pass)", x_title="answer #")
-        ui.outputs = [speed, tau, gr.Dataframe(interactive=False)]
-    return ui
+        stats.outputs = [speed, tau, gr.Dataframe(interactive=False)]
+    return stats
 
 
 # -- wiring ---------------------------------------------------------------------------------------
-def _wire_chat(service: ChatService, state: gr.State, ui: SimpleNamespace, sidebar: SimpleNamespace) -> None:
-    look = [ui.view, ui.show_rej]  # how the chat is drawn: every redraw needs these
-    gen_inputs = [ui.msg, state, ui.spec, ui.system, ui.temperature, ui.top_p, ui.max_new, *look]
-    gen_outputs = [ui.chat, state, ui.msg, ui.status, sidebar.sessions]
-    fresh_outputs = [ui.chat, state, ui.msg, ui.status, sidebar.sessions, ui.compare_box]
+def _wire_chat(service: ChatService, state: gr.State, chat: SimpleNamespace, sidebar: SimpleNamespace) -> None:
+    look = [chat.view, chat.show_rej]  # how the chat is drawn: every redraw needs these
+    gen_inputs = [chat.msg, state, chat.spec, chat.system, chat.temperature, chat.top_p, chat.max_new, *look]
+    gen_outputs = [chat.log, state, chat.msg, chat.status, sidebar.sessions]
+    fresh_outputs = [chat.log, state, chat.msg, chat.status, sidebar.sessions, chat.compare_box]
     send = bind(handlers.send, service)
     # always_last: a Send pressed while the previous answer is still finishing (its stats
     # shown, the save not yet done) runs when it ends instead of being dropped (Gradio's
     # default "once" ignores it). The inputs are read then, so the box's text is current.
-    ui.send.click(send, gen_inputs, gen_outputs, trigger_mode="always_last", **QUEUED)
-    ui.msg.submit(send, gen_inputs, gen_outputs, trigger_mode="always_last", **QUEUED)
-    ui.regen.click(bind(handlers.regenerate, service), gen_inputs, gen_outputs, **QUEUED)
-    ui.stop.click(handlers.stop, None, ui.status, concurrency_limit=None, **PRIVATE)
-    ui.edit.click(bind(handlers.edit_last, service), [state, *look], [ui.chat, state, ui.msg, ui.status], **PRIVATE)
-    ui.clear.click(handlers.clear, look, fresh_outputs, **PRIVATE)
-    ui.compare.click(bind(handlers.compare, service), [ui.msg, state, ui.system, ui.max_new, *look], fresh_outputs,
-                     **QUEUED)
-    ui.view.change(handlers.redraw, [state, *look], ui.chat, **PRIVATE)
-    ui.show_rej.change(handlers.redraw, [state, *look], ui.chat, **PRIVATE)
-    ui.load.click(bind(handlers.load_model, service), [ui.model_path, ui.heads_path], [ui.model_status, ui.spec],
-                  **PRIVATE)
+    chat.send.click(send, gen_inputs, gen_outputs, trigger_mode="always_last", **QUEUED)
+    chat.msg.submit(send, gen_inputs, gen_outputs, trigger_mode="always_last", **QUEUED)
+    chat.regen.click(bind(handlers.regenerate, service), gen_inputs, gen_outputs, **QUEUED)
+    chat.stop.click(handlers.stop, None, chat.status, concurrency_limit=None, **PRIVATE)
+    chat.edit.click(bind(handlers.edit_last, service), [state, *look], [chat.log, state, chat.msg, chat.status],
+                    **PRIVATE)
+    chat.clear.click(handlers.clear, look, fresh_outputs, **PRIVATE)
+    chat.compare.click(bind(handlers.compare, service), [chat.msg, state, chat.system, chat.max_new, *look],
+                       fresh_outputs, **QUEUED)
+    chat.view.change(handlers.redraw, [state, *look], chat.log, **PRIVATE)
+    chat.show_rej.change(handlers.redraw, [state, *look], chat.log, **PRIVATE)
+    chat.load.click(bind(handlers.load_model, service), [chat.model_path, chat.heads_path],
+                    [chat.model_status, chat.spec], **PRIVATE)
 
 
 def _wire_sessions(service: ChatService, demo: gr.Blocks, state: gr.State, chat: SimpleNamespace,
-                   ui: SimpleNamespace) -> None:
+                   sidebar: SimpleNamespace) -> None:
     look = [chat.view, chat.show_rej]
-    ui.new.click(handlers.clear, look, [chat.chat, state, chat.msg, chat.status, ui.sessions, chat.compare_box],
-                 **PRIVATE)
-    ui.sessions.input(bind(handlers.open_session, service), [ui.sessions, *look],
-                      [chat.chat, state, chat.status, chat.system], **PRIVATE)
-    ui.rename.click(bind(handlers.rename, service), [ui.sessions, ui.rename_box, state], [ui.sessions, chat.status],
-                    **PRIVATE)
-    ui.delete.click(bind(handlers.delete, service), [ui.sessions, state, *look],
-                    [ui.sessions, state, chat.chat, chat.status], **PRIVATE)
-    ui.export_json.click(lambda s: handlers.export(service, s, "json"), ui.sessions, ui.export_file, **PRIVATE)
-    ui.export_md.click(lambda s: handlers.export(service, s, "md"), ui.sessions, ui.export_file, **PRIVATE)
-    demo.load(bind(handlers.list_sessions, service), None, ui.sessions, **PRIVATE)
+    sessions = sidebar.sessions
+    sidebar.new.click(handlers.clear, look, [chat.log, state, chat.msg, chat.status, sessions, chat.compare_box],
+                      **PRIVATE)
+    sessions.input(bind(handlers.open_session, service), [sessions, *look], [chat.log, state, chat.status, chat.system],
+                   **PRIVATE)
+    sidebar.rename.click(bind(handlers.rename, service), [sessions, sidebar.rename_box, state],
+                         [sessions, chat.status], **PRIVATE)
+    sidebar.delete.click(bind(handlers.delete, service), [sessions, state, *look],
+                         [sessions, state, chat.log, chat.status], **PRIVATE)
+    sidebar.export_json.click(lambda s: handlers.export(service, s, "json"), sessions, sidebar.export_file, **PRIVATE)
+    sidebar.export_md.click(lambda s: handlers.export(service, s, "md"), sessions, sidebar.export_file, **PRIVATE)
+    demo.load(bind(handlers.list_sessions, service), None, sessions, **PRIVATE)
 
 
-def _wire_stats(service: ChatService, demo: gr.Blocks, ui: SimpleNamespace) -> None:
-    stats = bind(handlers.stats_outputs, service)
-    ui.refresh.click(stats, None, ui.outputs, **PRIVATE)
-    ui.tab.select(stats, None, ui.outputs, **PRIVATE)
-    demo.load(stats, None, ui.outputs, **PRIVATE)
+def _wire_stats(service: ChatService, demo: gr.Blocks, stats: SimpleNamespace) -> None:
+    show_stats = bind(handlers.stats_outputs, service)
+    stats.refresh.click(show_stats, None, stats.outputs, **PRIVATE)
+    stats.tab.select(show_stats, None, stats.outputs, **PRIVATE)
+    demo.load(show_stats, None, stats.outputs, **PRIVATE)
