@@ -111,7 +111,9 @@ def run_method(method: str, engine: Engine, prompt_ids: list[int], settings: Gen
     if method in ("plain", "gumiho", "gumiho-heads"):
         if method == "gumiho-heads":
             settings = settings.with_(tree=replace(settings.tree, lookup_tokens=0))
-        done = run_to_end(engine, prompt_ids, settings.with_(speculative=method != "plain"))
+        # Every method pays for its own prefill: no KV cache carried over from the method
+        # that ran the same prompt just before.
+        done = run_to_end(engine, prompt_ids, settings.with_(speculative=method != "plain"), reuse_prefix=False)
         s = done.stats
         return Run(done.token_ids, s.total_s, s.forward_passes, s.to_dict())
     return _run_hf(engine.target, prompt_ids, settings, prompt_lookup=method == "hf-pld")
@@ -148,9 +150,6 @@ def benchmark(
 ) -> dict:
     """Run every method on every prompt, interleaved. Returns the JSON-able report."""
     target = engine.target
-    # Every method pays for its own prefill: no KV cache carried over from the method
-    # that ran the same prompt just before.
-    engine.reuse_prefix = False
     encoded = {
         name: [target.chat_prompt([{"role": "user", "content": p}]) for p in prompts]
         for name, prompts in prompt_sets.items()

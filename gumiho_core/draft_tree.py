@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .heads import DraftCache, DraftHead, GumihoHeads
+from .heads import DraftCache, DraftVocabProjection, GumihoHeads
 from .settings import TreeSettings
 
 SERIAL, MLP, FTA, LOOKUP = "serial", "mlp", "fta", "lookup"
@@ -107,7 +107,7 @@ class DraftTree:
 def build_draft_tree(
     heads: GumihoHeads,
     embed,
-    draft_head: DraftHead,
+    projection: DraftVocabProjection,
     cache: DraftCache,
     root_token: int,
     last_output: torch.Tensor,
@@ -117,6 +117,7 @@ def build_draft_tree(
 ) -> DraftTree:
     """Draft a tree below `root_token`.
 
+    projection: draft features -> log-probabilities over the draft vocabulary.
     cache: the serial head's cache over the accepted context (L positions; the last one
     read the root token). last_output: the serial head's output there (H,), which predicts
     depth 1; last_input: its fc input there (H,), the u_1 the MLP heads may need.
@@ -145,10 +146,10 @@ def build_draft_tree(
 
     try:
         # Depth 1, from the output at the root.
-        logp = draft_head.log_probs(last_output[None])[0]
+        logp = projection.log_probs(last_output[None])[0]
         top = torch.topk(logp, settings.top_k)
         beam_scores = top.values
-        beam_tokens = draft_head.tokens(top.indices)
+        beam_tokens = projection.tokens(top.indices)
         beam_nodes = add_nodes(beam_tokens.tolist(), [0] * settings.top_k, beam_scores.tolist(), 1, SERIAL)
         # For each beam: the serial output that predicted its token, and the fc input of its parent.
         beam_producer = last_output[None].expand(settings.top_k, -1)
@@ -165,12 +166,12 @@ def build_draft_tree(
             )
             positions = torch.full((len(beam_nodes),), position, device=device)
             out = heads.serial(u[None], positions, cache, mask[None, None])[0]  # (k, H)
-            logp = draft_head.log_probs(out)
+            logp = projection.log_probs(out)
             top = torch.topk(logp, settings.top_k, dim=-1)
             cumulative = (beam_scores[:, None] + top.values).view(-1)
             best = torch.topk(cumulative, settings.top_k)
             from_beam = best.indices // settings.top_k
-            new_tokens = draft_head.tokens(top.indices.view(-1)[best.indices])
+            new_tokens = projection.tokens(top.indices.view(-1)[best.indices])
             new_parents = [beam_nodes[i] for i in from_beam.tolist()]
             beam_nodes = add_nodes(new_tokens.tolist(), new_parents, best.values.tolist(), depth, SERIAL)
             ancestry = torch.cat([ancestry, own], dim=1)[from_beam]
@@ -182,14 +183,14 @@ def build_draft_tree(
         if mlp_depths > 0:
             u_next = heads.fc_input(embed(beam_tokens), beam_producer)  # u_{s+1} per beam
             predicted = heads.parallel(torch.cat([beam_parent_input, u_next], dim=-1))[:mlp_depths]
-            logp = draft_head.log_probs(predicted)  # (D, k, V)
+            logp = projection.log_probs(predicted)  # (D, k, V)
             top = torch.topk(logp, settings.mlp_topk, dim=-1)
             frontier_nodes = beam_nodes
             frontier_beam = torch.arange(len(beam_nodes), device=device)
             frontier_scores = beam_scores
             for j in range(mlp_depths):
                 cand_scores = frontier_scores[:, None] + top.values[j, frontier_beam]  # (F, mlp_topk)
-                cand_tokens = draft_head.tokens(top.indices[j, frontier_beam])
+                cand_tokens = projection.tokens(top.indices[j, frontier_beam])
                 keep = torch.topk(cand_scores.view(-1), min(settings.pruning, cand_scores.numel()))
                 from_frontier = keep.indices // settings.mlp_topk
                 new_parents = [frontier_nodes[i] for i in from_frontier.tolist()]

@@ -269,8 +269,12 @@ def with_draft_vocab(heads: GumihoHeads, token_ids) -> GumihoHeads:
     return out
 
 
-class DraftHead:
-    """The target's lm_head as the drafter uses it, over the heads' draft vocabulary."""
+class DraftVocabProjection:
+    """The target's lm_head restricted to the heads' draft vocabulary: draft logits from features.
+
+    Not a head of its own: the rows of the target's lm_head for the draft vocabulary's
+    tokens (or the whole lm_head, shared, when the heads draft over every token).
+    """
 
     def __init__(self, lm_head: nn.Module, token_ids: torch.Tensor | None = None):
         self.token_ids = token_ids

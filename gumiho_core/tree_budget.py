@@ -23,11 +23,12 @@ import torch
 
 from .cpu_matmul import PACKING_AVAILABLE, pack_for_rows
 from .draft_tree import DraftTree
+from .drafter import RecordingDrafter
 from .generate import Engine, run_to_end
 from .mkl_on_amd import active as mkl_on_amd_active
 from .settings import GenerationSettings, TreeSettings
 from .target import cache_dir
-from .verify import run_target, tree_attention_mask
+from .verify import crop_cache, run_target, tree_attention_mask
 
 # Small sizes matter: where a pass over 2-3 tokens costs about as much as over one (MKL's
 # vector kernels on a CPU), a one- or two-token draft is the tree that pays.
@@ -81,8 +82,7 @@ def measure_cost_curve(target, sizes=COST_SIZES, context: int = 256, reps: int =
             _sync(target)
             if rep:  # the first round warms up
                 times[n].append((time.perf_counter() - start) * 1e3)
-            for layer in cache.layers:  # back to the prefix for the next pass
-                layer.keys, layer.values = layer.keys[:, :, :context], layer.values[:, :, :context]
+            crop_cache(cache, context)  # back to the prefix for the next pass
     curve = {n: statistics.median(times[n]) for n in sizes}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(curve))
@@ -129,16 +129,12 @@ def calibrate(engine: Engine, top_ks=(2, 4, 6), big: int = 48,
     step and the MLP heads, so it costs a fraction of a depth-7 one)."""
     ids = [engine.target.chat_prompt([{"role": "user", "content": p}]) for p in CALIBRATION_PROMPTS]
     traces, draft_ms = {}, {}
-    engine.trace_trees = True
-    try:
-        for k in top_ks:
-            steps = []
-            for prompt in ids:
-                run_to_end(engine, prompt, GenerationSettings(max_new_tokens=max_new_tokens, tree=_tree(k, big, 7)))
-                steps.extend(engine.last_run.trace)
-            traces[k] = steps
-    finally:
-        engine.trace_trees = False
+    for k in top_ks:
+        recorder = RecordingDrafter(engine.drafter)  # the engine's heads, every (tree, path) kept
+        for prompt in ids:
+            settings = GenerationSettings(max_new_tokens=max_new_tokens, tree=_tree(k, big, 7))
+            run_to_end(engine, prompt, settings, drafter=recorder)
+        traces[k] = recorder.steps
     for k in top_ks:
         for depth in DEPTHS:  # short runs: only the drafting time is read
             runs = [run_to_end(engine, ids[0], GenerationSettings(max_new_tokens=16, tree=_tree(k, 8, depth)))

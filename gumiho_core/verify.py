@@ -2,7 +2,9 @@
 
 The whole tree goes through the standard Hugging Face forward: a 4D attention mask lets
 each node see the cached context and its own ancestors only, position ids are context
-length + depth. Acceptance then walks down from the root:
+length + depth. `TargetPasses` runs those passes (and the prefill) at the row counts the
+CPU weight packs are prepared for (see its docstring). Acceptance then walks down from the
+root:
 - greedy: follow the child whose token is the target's argmax, as far as it goes;
 - sampling: multi-candidate speculative sampling. At each node the candidates (children,
   best first) are tried in turn: candidate x is accepted with probability p(x); if not,
@@ -10,7 +12,8 @@ length + depth. Acceptance then walks down from the root:
   target's token is sampled from what is left. The candidates do not depend on the
   random draws at this node, so the token that comes out has exactly the distribution p
   (the SpecInfer/EAGLE recursive-rejection argument with a point-mass draft).
-Then only the KV entries of the root and the accepted path are kept.
+Then only the KV entries of the root and the accepted path are kept (`keep_path_in_cache`;
+`crop_cache` is the one helper that cuts a cache back to a prefix).
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .cpu_matmul import pack_for_rows
 from .draft_tree import DraftTree
 from .sampling import TokenChooser
 
@@ -29,11 +33,15 @@ class Acceptance:
     rejected: list[int]  # candidate tokens refused at the node where the path stopped
 
 
-def tree_attention_mask(tree: DraftTree, past_len: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """(1, 1, N, past_len + N) additive mask: 0 where attention is allowed, -inf-ish elsewhere."""
-    allowed = torch.cat(
-        [torch.ones(len(tree), past_len, dtype=torch.bool), tree.ancestor_mask()], dim=1
-    ).to(device)
+def tree_attention_mask(tree: DraftTree, past_len: int, dtype: torch.dtype, device, padding: int = 0) -> torch.Tensor:
+    """(1, 1, N + padding, past_len + N + padding) additive mask: 0 where attention is allowed,
+    -inf-ish elsewhere. Padding rows (TargetPasses) see only themselves, and no node sees them."""
+    n = len(tree)
+    allowed = torch.zeros(n + padding, past_len + n + padding, dtype=torch.bool)
+    allowed[:n, :past_len] = True
+    allowed[:n, past_len : past_len + n] = tree.ancestor_mask()
+    allowed[n:, past_len + n :] = torch.eye(padding, dtype=torch.bool)
+    allowed = allowed.to(device)
     mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[None, None]
@@ -57,6 +65,53 @@ def run_target(target, cache, input_ids: torch.Tensor, position_ids: torch.Tenso
     rows = features if logits_for is None else features[logits_for]
     logits = target.lm_head(rows).float()
     return features, logits
+
+
+class TargetPasses:
+    """The target's forward passes for an engine: prefills, and tree verifications padded up to
+    the row count its CPU weight packs are prepared for.
+
+    MKL's packed sgemm is fast for exactly the row count the weights were packed for
+    (cpu_matmul.py); a product of any other count falls back to the slower x @ W_t path.
+    Tree sizes vary: the heads fill `total_tokens` rows and the context-lookup branch adds up
+    to `lookup_tokens` more (SmolLM2-135M, mt_bench: 38 % of passes had 7-14 rows while the
+    pack was for the 6 of the budget). So the pack is made for what a tree can hold (the
+    drafter's `tree_rows`) and every smaller tree is padded up to it. Padding rows see only
+    themselves and no node sees them, so no real row's numbers change; their logits and
+    features are dropped here and their cache entries with the rest of the tree
+    (keep_path_in_cache): they are never candidates. Trees beyond the prepared size (a long
+    looked-up chain while the answer repeats itself) run as they are.
+    """
+
+    def __init__(self, target):
+        self.target = target
+        self.rows = 1  # tree passes are padded up to this many rows (1: not padded)
+
+    def prepare(self, rows: int) -> None:
+        """Get ready for trees of up to `rows` rows. One row (plain decoding) leaves the pack
+        in place for the next speculative call; no pack possible (a GPU, no MKL): no padding."""
+        if rows <= 1:
+            self.rows = 1
+        else:
+            self.rows = rows if pack_for_rows(self.target.model, rows) else 1
+
+    def prefill(self, cache, context: torch.Tensor, start: int):
+        """Read context[start:] into the cache. Returns (its features, the last token's logits)."""
+        positions = torch.arange(start, len(context), device=context.device)
+        return run_target(self.target, cache, context[start:], positions, logits_for=[-1])
+
+    def verify(self, cache, tree: DraftTree, past_len: int):
+        """One pass over `tree` below `past_len` cached tokens: (features, logits) of its nodes."""
+        device, n = self.target.device, len(tree)
+        padding = self.rows - n if 1 < n < self.rows else 0
+        tokens = tree.tokens.to(device)
+        depths = torch.tensor(tree.depths + [0] * padding, device=device)
+        mask = None
+        if n > 1:
+            mask = tree_attention_mask(tree, past_len, self.target.base.dtype, device, padding)
+            tokens = torch.cat([tokens, tokens[:1].expand(padding)])
+        features, logits = run_target(self.target, cache, tokens, past_len + depths, mask)
+        return features[:n], logits[:n]
 
 
 def accept(
@@ -96,18 +151,23 @@ def accept(
         path.append(node)
 
 
-def keep_path_in_cache(cache, past_len: int, path: list[int]) -> None:
-    """Keep the context and the accepted path's entries; drop the rest of the tree.
+def crop_cache(cache, length: int) -> None:
+    """Keep the first `length` positions of a transformers cache (every layer's keys/values).
 
     Works on the layers' key/value tensors directly: (batch, kv_heads, seq, head_dim).
     """
-    prefix = path == list(range(len(path)))  # the path lies first in the tree's layout
-    index = None if prefix else torch.tensor([past_len + i for i in path])
     for layer in cache.layers:
-        if prefix:
-            layer.keys = layer.keys[:, :, : past_len + len(path)]
-            layer.values = layer.values[:, :, : past_len + len(path)]
-        else:
-            idx = index.to(layer.keys.device)
-            layer.keys = torch.cat([layer.keys[:, :, :past_len], layer.keys.index_select(2, idx)], dim=2)
-            layer.values = torch.cat([layer.values[:, :, :past_len], layer.values.index_select(2, idx)], dim=2)
+        layer.keys, layer.values = layer.keys[:, :, :length], layer.values[:, :, :length]
+
+
+def keep_path_in_cache(cache, past_len: int, path: list[int]) -> None:
+    """Keep the context and the accepted path's entries; drop the rest of the tree (and any
+    padding rows after it)."""
+    if path == list(range(len(path))):  # the path lies first in the tree's layout
+        crop_cache(cache, past_len + len(path))
+        return
+    index = torch.tensor([past_len + i for i in path])
+    for layer in cache.layers:
+        idx = index.to(layer.keys.device)
+        layer.keys = torch.cat([layer.keys[:, :, :past_len], layer.keys.index_select(2, idx)], dim=2)
+        layer.values = torch.cat([layer.values[:, :, :past_len], layer.values.index_select(2, idx)], dim=2)

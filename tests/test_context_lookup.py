@@ -10,6 +10,7 @@ import torch
 from gumiho_core import Engine, GenerationSettings, TreeSettings, new_heads, run_to_end
 from gumiho_core.context_lookup import LookupLength, continuation
 from gumiho_core.draft_tree import DraftTree
+from gumiho_core.drafter import RecordingDrafter
 from tiny import hf_greedy, random_prompts, tiny_target
 
 
@@ -81,11 +82,11 @@ def test_lookup_is_lossless_and_its_tokens_get_accepted():
     engine = Engine(target, new_heads(target))  # untrained heads: accepted runs come from the lookup
     tree = TreeSettings(top_k=2, total_tokens=4, depth=2, mlp_topk=2, pruning=2, fta=False, fta_tokens=0,
                         lookup_tokens=6)
-    engine.trace_trees = True
     looked_up = chain_only = 0
     for prompt in _repeating_prompts():
-        spec = run_to_end(engine, prompt, GenerationSettings(max_new_tokens=40, tree=tree))
-        trees = [t for t, _ in engine.last_run.trace]
+        recorder = RecordingDrafter(engine.drafter)
+        spec = run_to_end(engine, prompt, GenerationSettings(max_new_tokens=40, tree=tree), drafter=recorder)
+        trees = [t for t, _ in recorder.steps]
         plain = run_to_end(engine, prompt, GenerationSettings(max_new_tokens=40, speculative=False))
         assert spec.token_ids == plain.token_ids == hf_greedy(target, prompt, 40)
         looked_up += spec.stats.forward_passes < plain.stats.forward_passes
@@ -99,13 +100,13 @@ def test_lookup_is_lossless_and_its_tokens_get_accepted():
 def test_lookup_off_adds_no_lookup_nodes():
     target = tiny_target(seed=4, eos=False)
     engine = Engine(target, new_heads(target))
-    engine.trace_trees = True
     for lookup in (0, 6):
         tree = TreeSettings(top_k=2, total_tokens=4, depth=2, fta=False, fta_tokens=0, lookup_tokens=lookup)
-        run_to_end(engine, _repeating_prompts()[0], GenerationSettings(max_new_tokens=30, tree=tree))
-        sources = {s for t, _ in engine.last_run.trace for s in t.sources}
+        recorder = RecordingDrafter(engine.drafter)
+        run_to_end(engine, _repeating_prompts()[0], GenerationSettings(max_new_tokens=30, tree=tree), drafter=recorder)
+        sources = {s for t, _ in recorder.steps for s in t.sources}
         assert ("lookup" in sources) == (lookup > 0)
-        assert all(len(t) <= 4 + lookup for t, _ in engine.last_run.trace)
+        assert all(len(t) <= 4 + lookup for t, _ in recorder.steps)
 
 
 def test_lookup_length_grows_on_whole_chains_shrinks_on_refusals_and_resets_otherwise():

@@ -10,7 +10,8 @@ from torch import nn
 from gumiho_core import Engine, GenerationSettings, TreeSettings, new_heads, run_to_end
 from gumiho_core.cpu_matmul import (PACKING_AVAILABLE, TransposedLinear, WeightFirstLinear, fast_cpu_copy,
                                     pack_for_rows, use_fast_cpu_layouts)
-from tiny import assert_lossless, random_prompts, tiny_target
+from gumiho_core.drafter import RecordingDrafter
+from tiny import assert_lossless, hf_greedy, random_prompts, tiny_target
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -56,10 +57,45 @@ def test_engine_packs_the_tree_size_and_stays_lossless():
                         lookup_tokens=0)
     assert_lossless(engine, random_prompts(4, seed=5), tree)
     assert target.lm_head.packed[0] == 6
-    engine.trace_trees = True
-    run_to_end(engine, random_prompts(1, seed=6)[0], GenerationSettings(max_new_tokens=12, tree=tree))
-    assert all(len(t) == 6 for t, _ in engine.last_run.trace)  # so every pass took the packed kernel
+    recorder = RecordingDrafter(engine.drafter)
+    run_to_end(engine, random_prompts(1, seed=6)[0], GenerationSettings(max_new_tokens=12, tree=tree), drafter=recorder)
+    assert all(len(t) == 6 for t, _ in recorder.steps)  # so every pass took the packed kernel
     assert pack_for_rows(target.model, None) == 0
+
+
+@needs_packing
+def test_tree_passes_with_the_lookup_branch_run_on_the_pack(monkeypatch):
+    """The lookup branch grows trees past total_tokens; each is padded to the packed size."""
+    target = tiny_target(seed=4, eos=False, tied=True)
+    use_fast_cpu_layouts(target.model)
+    engine = Engine(target, new_heads(target))
+    tree = TreeSettings(top_k=2, total_tokens=4, depth=2, mlp_topk=2, pruning=2, fta=False, fta_tokens=0,
+                        lookup_tokens=6)
+    layer = target.base.layers[0].mlp.down_proj  # a target weight: one product per target pass
+    passes = []  # (rows, took the pack) per target pass
+    real = layer.forward
+
+    def watched(x):
+        rows = x.reshape(-1, x.shape[-1]).shape[0]
+        passes.append((rows, layer.packed is not None and layer.packed[0] == rows))
+        return real(x)
+
+    monkeypatch.setattr(layer, "forward", watched)
+    prepared = engine.drafter.tree_rows(tree)
+    sizes = set()
+    for p in random_prompts(4, seed=21, lo=4, hi=7):
+        prompt = p + p[1:] + p[1:]  # the context's tail has occurred before: chains get looked up
+        reference = hf_greedy(target, prompt, 30)
+        passes.clear()
+        recorder = RecordingDrafter(engine.drafter)
+        done = run_to_end(engine, prompt, GenerationSettings(max_new_tokens=30, tree=tree), drafter=recorder)
+        assert done.token_ids == reference
+        assert len(passes) == 1 + len(recorder.steps)  # the prefill, then one pass per tree
+        for t, (rows, packed) in zip(recorder.trees, passes[1:]):
+            sizes.add(len(t))
+            if len(t) <= prepared:
+                assert rows == prepared and packed
+    assert any(tree.total_tokens < n <= prepared for n in sizes), "the lookup should have grown some trees"
 
 
 def test_target_swap_keeps_logits_and_tied_embeddings():

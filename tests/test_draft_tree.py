@@ -6,7 +6,7 @@ import torch
 
 from gumiho_core import TreeSettings, new_heads
 from gumiho_core.draft_tree import build_draft_tree
-from gumiho_core.heads import DraftHead
+from gumiho_core.heads import DraftVocabProjection
 from gumiho_core.verify import tree_attention_mask
 from tiny import tiny_target
 
@@ -29,7 +29,7 @@ def draft(target, heads, settings, context=12):
     tokens = torch.randint(3, 90, (context,))
     u = heads.fc_input(target.embed_tokens(tokens), feats)
     out = heads.serial(u[None], torch.arange(context), cache)[0]
-    tree = build_draft_tree(heads, target.embed_tokens, DraftHead(target.lm_head, heads.draft_vocab), cache, 5, out[-1], u[-1], settings)
+    tree = build_draft_tree(heads, target.embed_tokens, DraftVocabProjection(target.lm_head, heads.draft_vocab), cache, 5, out[-1], u[-1], settings)
     assert len(cache) == context, "the draft cache must be restored"
     return tree
 

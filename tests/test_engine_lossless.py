@@ -14,8 +14,10 @@ import pytest
 import torch
 
 from gumiho_core import Engine, GenerationSettings, TreeSettings, new_heads, run_to_end
+from gumiho_core import drafter as drafter_module
+from gumiho_core import verify as verify_module
 from gumiho_core.draft_tree import DraftTree
-from gumiho_core import generate as generate_module
+from gumiho_core.drafter import Drafter
 from tiny import EOS, hf_greedy, random_prompts, tiny_target
 
 TREES = [
@@ -92,32 +94,44 @@ def oracle_tree(root: int, truth: list[int], rng: random.Random, vocab: int, siz
     return DraftTree(torch.tensor(tokens), parents, depths, sources)
 
 
-@pytest.fixture
-def oracle(monkeypatch):
-    """Patch the engine's drafter with `oracle_tree`; `truth` is the full plain answer."""
-    state = {"truth": [], "rng": random.Random(0), "size": 12, "depth": 5, "vocab": 96}
+class OracleDrafter(Drafter):
+    """Drafts `oracle_tree`s; `truth` is the full plain answer."""
 
-    def fake_draft(run, root, past_len):
-        k = len(run.new_ids)  # the root is new token k-1; its continuation starts at k
-        truth = state["truth"][k : k + state["depth"]]
+    def __init__(self):
+        self.update(truth=[], rng=random.Random(0), size=12, depth=5, vocab=96)
+        self.prompt_length = 0
+
+    def update(self, **state):
+        self.__dict__.update(state)
+
+    def begin(self, prompt_ids, shared, settings):
+        self.prompt_length = len(prompt_ids)
+
+    def draft(self, step):
+        k = len(step.context) - self.prompt_length  # the root is new token k-1; its continuation starts at k
+        truth = self.truth[k : k + self.depth]
         if not truth:
-            return DraftTree.root_only(root)
-        return oracle_tree(root, truth, state["rng"], state["vocab"], state["size"])
+            return DraftTree.root_only(step.root)
+        return oracle_tree(step.root, truth, self.rng, self.vocab, self.size)
 
-    monkeypatch.setattr(generate_module._Run, "_draft", fake_draft)
-    return state
+
+@pytest.fixture
+def oracle():
+    """A drafter for run_to_end(..., drafter=oracle): the target's continuation, corrupted."""
+    return OracleDrafter()
 
 
 def test_oracle_long_paths_are_lossless_and_cache_matches_plain(target, engine, oracle):
     for i, prompt in enumerate(random_prompts(8, seed=11)):
         reference = hf_greedy(target, prompt, 60)
         oracle.update(truth=reference + [5] * 10, rng=random.Random(i), size=4 + 3 * i, depth=1 + i % 6)
-        spec = run_to_end(engine, prompt, GenerationSettings(max_new_tokens=60))
-        spec_cache = engine.last_run.cache
+        spec = run_to_end(engine, prompt, GenerationSettings(max_new_tokens=60), drafter=oracle)
+        spec_cache = engine.prefix.cache
         assert spec.token_ids == reference
         assert spec.stats.tau > 1.5, "the oracle should produce long accepted paths"
-        run_to_end(engine, prompt, GenerationSettings(max_new_tokens=60, speculative=False))
-        plain_cache = engine.last_run.cache
+        # No prefix reuse: the plain run fills a cache of its own rather than cropping this one.
+        run_to_end(engine, prompt, GenerationSettings(max_new_tokens=60, speculative=False), reuse_prefix=False)
+        plain_cache = engine.prefix.cache
         n = plain_cache.get_seq_length()
         assert spec_cache.get_seq_length() >= n
         for a, b in zip(spec_cache.layers, plain_cache.layers):
@@ -125,12 +139,22 @@ def test_oracle_long_paths_are_lossless_and_cache_matches_plain(target, engine, 
             torch.testing.assert_close(a.values[:, :, :n], b.values, atol=1e-5, rtol=1e-4)
 
 
+def test_the_loop_runs_any_drafter_even_without_heads(target, oracle):
+    """The loop knows drafters only through their interface: no heads needed for one."""
+    engine = Engine(target, None)
+    prompt = random_prompts(1, seed=13)[0]
+    reference = hf_greedy(target, prompt, 30)
+    oracle.update(truth=reference + [5] * 6, rng=random.Random(3), size=8, depth=4)
+    spec = run_to_end(engine, prompt, GenerationSettings(max_new_tokens=30), drafter=oracle)
+    assert spec.token_ids == reference and spec.stats.tau > 1.5
+
+
 def test_max_new_tokens_inside_an_accepted_path(target, engine, oracle):
     prompt = random_prompts(1, seed=21)[0]
     reference = hf_greedy(target, prompt, 40)
     for limit in (1, 2, 3, 7, 11, 13):
         oracle.update(truth=reference, rng=random.Random(limit), size=10, depth=6)
-        spec = run_to_end(engine, prompt, GenerationSettings(max_new_tokens=limit))
+        spec = run_to_end(engine, prompt, GenerationSettings(max_new_tokens=limit), drafter=oracle)
         assert spec.token_ids == reference[:limit]
         assert spec.finish_reason == "length"
 
@@ -143,7 +167,7 @@ def test_eos_inside_an_accepted_path(oracle):
         reference = hf_greedy(target, prompt, 40)
         # The oracle keeps drafting past EOS, so EOS sits inside accepted paths.
         oracle.update(truth=reference + [7, 8, 9, 10, 11, 12], rng=random.Random(i), size=10, depth=6, vocab=24)
-        spec = run_to_end(engine, prompt, GenerationSettings(max_new_tokens=40))
+        spec = run_to_end(engine, prompt, GenerationSettings(max_new_tokens=40), drafter=oracle)
         assert spec.token_ids == reference
         if reference[-1] == EOS:
             hits += 1
@@ -195,20 +219,20 @@ def test_reduced_draft_vocabulary_stays_lossless(target, tmp_path):
     assert loaded.draft_vocab.tolist() == list(range(3, 40))
     engine = Engine(target, loaded)
     drafted = set()
-    original = generate_module.build_draft_tree
+    original = drafter_module.build_draft_tree
 
     def spy(*args, **kwargs):
         tree = original(*args, **kwargs)
         drafted.update(tree.tokens[1:].tolist())
         return tree
 
-    generate_module.build_draft_tree = spy
+    drafter_module.build_draft_tree = spy
     try:
         for prompt in random_prompts(4, seed=3):
             spec = run_to_end(engine, prompt, GenerationSettings(max_new_tokens=20))
             assert spec.token_ids == hf_greedy(target, prompt, 20)
     finally:
-        generate_module.build_draft_tree = original
+        drafter_module.build_draft_tree = original
     assert drafted and drafted <= set(range(3, 40))
 
 
@@ -221,15 +245,14 @@ def test_context_limit_error_or_truncation():
     with pytest.raises(ContextTooLong, match="exceeds the model's context of 40 tokens"):
         run_to_end(engine, prompt, GenerationSettings(max_new_tokens=20))
     done = run_to_end(engine, prompt, GenerationSettings(max_new_tokens=20, on_overflow="truncate"))
-    assert engine.last_run.stats.prompt_tokens == 20 and len(done.token_ids) == 20
+    assert done.stats.prompt_tokens == 20 and len(done.token_ids) == 20
     assert done.token_ids == hf_greedy(target, prompt[-20:], 20)
 
 
 def test_prefix_cache_across_turns_is_lossless(target):
     """A follow-up reuses the chat's KV caches; edits and regenerates share less of them."""
     engine = Engine(target, new_heads(target))
-    fresh = Engine(target, engine.heads)
-    fresh.reuse_prefix = False
+    fresh = Engine(target, engine.heads)  # always run without prefix reuse (below)
     turn1 = random_prompts(1, seed=30)[0]
     a1 = run_to_end(engine, turn1, GenerationSettings(max_new_tokens=15))
     turn2 = turn1 + a1.token_ids + [7, 8, 9]
@@ -237,7 +260,7 @@ def test_prefix_cache_across_turns_is_lossless(target):
         settings = GenerationSettings(max_new_tokens=15, speculative=speculative)
         a2 = run_to_end(engine, turn2, settings)
         assert a2.stats.reused_prompt_tokens >= len(turn1)
-        assert a2.token_ids == run_to_end(fresh, turn2, settings).token_ids == hf_greedy(target, turn2, 15)
+        assert a2.token_ids == run_to_end(fresh, turn2, settings, reuse_prefix=False).token_ids == hf_greedy(target, turn2, 15)
     edited = turn1[:3] + [11, 12] + turn1[3:]  # an edit early in the chat
     a3 = run_to_end(engine, edited, GenerationSettings(max_new_tokens=15))
     assert a3.stats.reused_prompt_tokens == 3
@@ -250,7 +273,7 @@ def test_failure_inside_a_step_leaves_the_engine_clean(target, monkeypatch):
     engine = Engine(target, new_heads(target))
     prompt = random_prompts(1, seed=40)[0]
     expected = hf_greedy(target, prompt, 20)
-    real = generate_module.run_target
+    real = verify_module.run_target  # every target pass goes through it
     calls = {"n": 0}
 
     def flaky(*args, **kwargs):
@@ -260,11 +283,11 @@ def test_failure_inside_a_step_leaves_the_engine_clean(target, monkeypatch):
             raise RuntimeError("injected fault")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(generate_module, "run_target", flaky)
+    monkeypatch.setattr(verify_module, "run_target", flaky)
     got = []
     with pytest.raises(RuntimeError, match="injected fault"):
         for event in engine.generate(prompt, GenerationSettings(max_new_tokens=20)):
             got.extend(t.id for t in getattr(event, "tokens", []))
     assert got == expected[: len(got)] and engine.prefix is None  # nothing half-done is reused
-    monkeypatch.setattr(generate_module, "run_target", real)
+    monkeypatch.setattr(verify_module, "run_target", real)
     assert run_to_end(engine, prompt, GenerationSettings(max_new_tokens=20)).token_ids == expected

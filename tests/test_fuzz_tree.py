@@ -6,7 +6,7 @@ from hypothesis import given, settings, strategies as st
 
 from gumiho_core import SamplingSettings, TreeSettings, new_heads
 from gumiho_core.draft_tree import DraftTree, build_draft_tree
-from gumiho_core.heads import DraftHead
+from gumiho_core.heads import DraftVocabProjection
 from gumiho_core.sampling import TokenChooser
 from gumiho_core.verify import accept, keep_path_in_cache, tree_attention_mask
 from tiny import tiny_target
@@ -109,7 +109,7 @@ def test_built_trees_are_well_formed(top_k, total, depth, mlp_topk, pruning, fta
     u = _HEADS.fc_input(_TARGET.embed_tokens(tokens), torch.randn(context, 64, generator=g))
     with torch.no_grad():
         out = _HEADS.serial(u[None], torch.arange(context), cache)[0]
-        tree = build_draft_tree(_HEADS, _TARGET.embed_tokens, DraftHead(_TARGET.lm_head), cache, 4,
+        tree = build_draft_tree(_HEADS, _TARGET.embed_tokens, DraftVocabProjection(_TARGET.lm_head), cache, 4,
                                 out[-1], u[-1], s)
     assert len(cache) == context
     assert 1 <= len(tree) <= total and tree.max_depth <= depth

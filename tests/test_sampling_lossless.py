@@ -10,6 +10,7 @@ import torch
 
 from gumiho_core import Engine, GenerationSettings, SamplingSettings, TreeSettings, new_heads, run_to_end
 from gumiho_core.draft_tree import DraftTree
+from gumiho_core.drafter import RecordingDrafter
 from gumiho_core.sampling import TokenChooser, apply_repetition_penalty, warp
 from gumiho_core.verify import accept
 from tiny import tiny_target
@@ -104,16 +105,15 @@ def second_token_counts(engine, n: int, prompt=PROMPT, lookup_tokens: int = 0) -
     counts = torch.zeros(VOCAB)
     tree = TreeSettings(top_k=3, total_tokens=8, depth=3, mlp_topk=2, pruning=3, fta=True, fta_tokens=1,
                         lookup_tokens=lookup_tokens)
-    engine.trace_trees = True
     looked_up = 0
     for seed in range(n):
         settings = GenerationSettings(
             max_new_tokens=2, tree=tree, sampling=SamplingSettings(seed=seed, **SAMPLING)
         )
-        done = run_to_end(engine, prompt, settings)
+        recorder = RecordingDrafter(engine.drafter)
+        done = run_to_end(engine, prompt, settings, drafter=recorder)
         counts[done.token_ids[1]] += 1
-        looked_up += any("lookup" in t.sources for t, _ in engine.last_run.trace)
-    engine.trace_trees = False
+        looked_up += any("lookup" in t.sources for t, _ in recorder.steps)
     if lookup_tokens:  # the lookup branch must really have been offered, or this tests nothing new
         assert looked_up > n // 2, looked_up
     return counts

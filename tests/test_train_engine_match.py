@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from gumiho_core.draft_tree import build_draft_tree
-from gumiho_core.heads import DraftHead
+from gumiho_core.heads import DraftVocabProjection
 from gumiho_core.settings import TreeSettings
 from gumiho_core.train import DraftTrainer, new_trainable_heads
 from tiny import random_prompts, tiny_target
@@ -20,14 +20,14 @@ CHAIN = TreeSettings(top_k=1, total_tokens=8, depth=7, mlp_topk=1, pruning=1, ft
 
 
 def engine_chain(target, heads, context: list[int]) -> list[int]:
-    """d1..d7 as the engine drafts them below root context[-1] (as generate._draft does)."""
+    """d1..d7 as the engine drafts them below root context[-1] (as drafter.GumihoDrafter.draft does)."""
     ids = torch.tensor(context)
     with torch.no_grad():
         features = target.base(input_ids=ids[None, :-1]).last_hidden_state[0]
         cache = heads.new_cache()
         u = heads.fc_input(target.embed_tokens(ids[1:]), features)
         out = heads.serial(u[None], torch.arange(len(ids) - 1), cache)[0]
-        tree = build_draft_tree(heads, target.embed_tokens, DraftHead(target.lm_head, heads.draft_vocab), cache,
+        tree = build_draft_tree(heads, target.embed_tokens, DraftVocabProjection(target.lm_head, heads.draft_vocab), cache,
                                 int(ids[-1]), out[-1], u[-1], CHAIN)
     assert tree.depths == list(range(8))  # a chain
     return tree.tokens[1:].tolist(), features

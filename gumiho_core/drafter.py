@@ -1,0 +1,177 @@
+"""Draft sources: whatever proposes the tree that the target verifies in one pass.
+
+The generation loop (generate.py) keeps the target's side only (its KV cache, its
+features, the tokens so far) and asks a `Drafter` for each step's tree, the way
+transformers' assisted generation asks a `CandidateGenerator` (get_candidates /
+update_candidate_strategy):
+
+- `begin(prompt_ids, shared, settings)`: a generation starts; the first `shared` prompt
+  tokens are the ones the last generation's target cache holds, so a drafter may keep
+  its own state for them;
+- `draft(step)`: the tree below the root (`DraftStep`: the tokens so far and the target's
+  features of the cached ones);
+- `observe(tree, path)`: the nodes the target accepted;
+- `tree_rows(tree_settings)`: how many rows its trees can have, so the target pass can be
+  prepared for them (verify.TreePass).
+
+Because the target verifies every tree against its own choices, a drafter can only change
+speed, never the output: a test's oracle, a recorder, or plain decoding (`PlainDrafter`,
+a tree of the root alone) all go through the same loop.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .context_lookup import LookupLength, continuation
+from .cpu_matmul import pack_for_rows
+from .draft_tree import DraftTree, build_draft_tree
+from .heads import DraftVocabProjection, GumihoHeads
+from .settings import GenerationSettings, TreeSettings
+
+
+@dataclass
+class DraftStep:
+    """What the target side shows a drafter at one step."""
+
+    context: torch.Tensor  # every token so far, prompt first; the last is the root
+    features: torch.Tensor  # (len(context) - 1, H): the target's features of the cached tokens
+    room: int  # the deepest draft the target's context still has room for (at least 1)
+
+    @property
+    def root(self) -> int:
+        return int(self.context[-1])
+
+
+def common_prefix_length(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class Drafter:
+    """The interface, and the plain drafter's behaviour: propose the root alone."""
+
+    def begin(self, prompt_ids: list[int], shared: int, settings: GenerationSettings) -> None:
+        """A generation starts. shared: prompt tokens the target keeps from the last one."""
+
+    def draft(self, step: DraftStep) -> DraftTree:
+        return DraftTree.root_only(step.root)
+
+    def observe(self, tree: DraftTree, path: list[int]) -> None:
+        """The target accepted `path` (tree nodes, the root first) of `tree`."""
+
+    def tree_rows(self, tree: TreeSettings) -> int:
+        """How many rows its trees hold under `tree` (at most, but for rare longer ones):
+        the target pass is prepared for this size."""
+        return 1
+
+
+class PlainDrafter(Drafter):
+    """Plain decoding: every tree is the root alone, one token per target pass."""
+
+
+class GumihoDrafter(Drafter):
+    """The Gumiho heads, with the context-lookup branch (context_lookup.py) added to their tree.
+
+    It owns everything that only drafting needs: the heads, the serial head's cache, the
+    draft-vocabulary projection, and the lookup's length. Its cache is kept between
+    generations for the tokens the next prompt shares with what it read.
+    """
+
+    def __init__(self, target, heads: GumihoHeads):
+        self.target, self.heads = target, heads
+        self.projection = DraftVocabProjection(target.lm_head, heads.draft_vocab)
+        self.cache = heads.new_cache()
+        # The tokens the cache has read (and more): draft position i read token i+1 with
+        # target feature i. A tensor, turned into a list only when a generation begins.
+        self.read = torch.zeros(0, dtype=torch.long)
+        self.tree = TreeSettings()
+        self.lookup = LookupLength(0)
+        self.chain: list[int] = []  # the looked-up tokens offered in this step's tree
+
+    def begin(self, prompt_ids: list[int], shared: int, settings: GenerationSettings) -> None:
+        self.tree = settings.tree
+        self.lookup, self.chain = LookupLength(self.tree.lookup_tokens), []
+        # Below depth 1, drafting multiplies one row per beam (cpu_matmul.py).
+        pack_for_rows(self.heads, self.tree.top_k)
+        if self.projection.project is not self.target.lm_head:  # a draft vocabulary of its own
+            pack_for_rows(self.projection.project, self.tree.top_k)
+        # Position i stays valid while token i+1 is shared, and while the target side still
+        # holds feature i's neighbours (its own prefix): both are counted in tokens.
+        keep = min(common_prefix_length(self.read.tolist(), prompt_ids), shared) - 1
+        if keep <= 0:
+            self.cache = self.heads.new_cache()
+        else:
+            self.cache.crop(min(len(self.cache), keep))
+
+    def tree_rows(self, tree: TreeSettings) -> int:
+        # The heads' best total_tokens nodes and a looked-up chain of the base length. While
+        # the answer repeats itself a chain grows past it (up to 4x), but then it replaces
+        # the heads' nodes, and such steps are rare (none in 6 mt_bench answers): padding
+        # every tree to their size would cost every step.
+        return tree.total_tokens + tree.lookup_tokens
+
+    def draft(self, step: DraftStep) -> DraftTree:
+        """Look up a chain in the context, feed the serial head what it has not read yet,
+        and draft below the root."""
+        self.chain = []
+        if self.lookup.tokens:
+            self.chain = continuation(step.context, min(self.lookup.tokens, step.room))
+            if self.chain and self.lookup.repeating:
+                # The answer is repeating the context and the last chain was accepted whole:
+                # the heads are skipped (they would cost more than their branch gains). The
+                # serial head reads the tokens it missed at its next turn.
+                return DraftTree.root_only(step.root, step.context.device).add_chain(self.chain)
+        return self._heads_tree(step).add_chain(self.chain)
+
+    def _heads_tree(self, step: DraftStep) -> DraftTree:
+        heads, cache, embed = self.heads, self.cache, self.target.embed_tokens
+        start = len(cache)
+        pending = step.features[start:]
+        # Draft position i reads (token i+1, target feature i): the tokens shifted by one,
+        # which ends with the root.
+        shifted = step.context[start + 1 :]
+        u = heads.fc_input(embed(shifted), pending.to(heads.dtype))
+        positions = torch.arange(start, start + len(shifted), device=shifted.device)
+        out = heads.serial(u[None], positions, cache)[0]
+        self.read = step.context
+        return build_draft_tree(heads, embed, self.projection, cache, step.root, out[-1], u[-1], self.tree,
+                                max_depth=step.room)
+
+    def observe(self, tree: DraftTree, path: list[int]) -> None:
+        if self.chain:
+            drafted = tree.tokens[path[1:]].tolist()
+            self.lookup.update(common_prefix_length(drafted, self.chain), len(self.chain))
+
+
+class RecordingDrafter(Drafter):
+    """Another drafter, unchanged, that keeps every (tree, accepted path) it saw.
+
+    The tree-budget calibration reads them (tree_budget.py), and so do tests.
+    """
+
+    def __init__(self, inner: Drafter):
+        self.inner = inner
+        self.steps: list[tuple[DraftTree, list[int]]] = []
+
+    @property
+    def trees(self) -> list[DraftTree]:
+        return [tree for tree, _ in self.steps]
+
+    def begin(self, prompt_ids: list[int], shared: int, settings: GenerationSettings) -> None:
+        self.inner.begin(prompt_ids, shared, settings)
+
+    def draft(self, step: DraftStep) -> DraftTree:
+        return self.inner.draft(step)
+
+    def observe(self, tree: DraftTree, path: list[int]) -> None:
+        self.steps.append((tree, path))
+        self.inner.observe(tree, path)
+
+    def tree_rows(self, tree: TreeSettings) -> int:
+        return self.inner.tree_rows(tree)
