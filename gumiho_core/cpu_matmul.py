@@ -13,8 +13,10 @@ Where PyTorch is built with MKL, a tree pass of a known size goes further: MKL's
 sgemm (the weight re-laid out once for exactly that many rows, `pack_for_rows`) keeps a
 4-row product at about a 1-row product's cost, while x @ W_t still costs 1.4x. Measured over
 all 30 layers' weights (not cache-resident): 1 row 18 ms with x @ W_t; 4 rows 25 ms with
-x @ W_t, 18 ms packed; 8 rows 37 / 22 ms. One packing is a second copy of the weights, so
-only the tree size in use is packed; every other row count takes the x @ W_t path.
+x @ W_t, 18 ms packed; 8 rows 37 / 22 ms. One packing is a second copy of the weights (~540 MB for SmolLM2-135M),
+so one size is packed: what a tree pass can hold, the budget plus the looked-up chain, and
+smaller trees are padded up to it (verify.TargetPasses). Every other row count takes the
+x @ W_t path.
 
 Only the layout changes: every output element is still a float32 dot product of the same
 numbers (bit-equal in our checks, within float32 rounding by contract), and the benchmark
@@ -33,22 +35,32 @@ PACKING_AVAILABLE = torch.backends.mkl.is_available() and hasattr(torch.ops.mkl,
 
 
 class _PackableLinear(nn.Module):
-    """Shared by both layouts: an optional MKL-packed copy of the weight for one row count."""
+    """Shared by both layouts: optional MKL-packed copies of the weight, one per row count."""
 
-    packed: tuple[int, torch.Tensor] | None = None  # (rows, packed weight)
+    packs: dict[int, torch.Tensor] = {}  # rows -> packed weight (replaced, never changed in place)
 
-    def pack(self, rows: int | None) -> None:
-        if rows is None or rows < 2:  # one row: x @ W_t is faster than the packed kernel
-            self.packed = None
-        elif self.packed is None or self.packed[0] != rows:
-            self.packed = (rows, torch.ops.mkl._mkl_reorder_linear_weight(self.weight.detach(), rows))
+    @property
+    def packed(self) -> tuple[int, torch.Tensor] | None:
+        """(rows, packed weight) of the smallest packed row count, or None."""
+        return (min(self.packs), self.packs[min(self.packs)]) if self.packs else None
+
+    def pack(self, rows: int | tuple[int, ...] | None) -> None:
+        # One row: x @ W_t is faster than the packed kernel. A size packed already is kept.
+        wanted = sorted({n for n in _row_counts(rows) if n >= 2})
+        self.packs = {n: self.packs[n] if n in self.packs else
+                      torch.ops.mkl._mkl_reorder_linear_weight(self.weight.detach(), n) for n in wanted}
 
     def _packed_forward(self, x: torch.Tensor) -> torch.Tensor | None:
         rows = x.reshape(-1, x.shape[-1])
-        if self.packed is None or rows.shape[0] != self.packed[0]:
+        packed = self.packs.get(rows.shape[0])
+        if packed is None:
             return None
-        y = torch.ops.mkl._mkl_linear(rows, self.packed[1], self.weight, self.bias, rows.shape[0])
+        y = torch.ops.mkl._mkl_linear(rows, packed, self.weight, self.bias, rows.shape[0])
         return y.reshape(*x.shape[:-1], self.out_features)
+
+
+def _row_counts(rows: int | tuple[int, ...] | None) -> tuple[int, ...]:
+    return () if rows is None else (rows,) if isinstance(rows, int) else tuple(rows)
 
 
 class TransposedLinear(_PackableLinear):
@@ -110,11 +122,13 @@ def use_fast_cpu_layouts(model: nn.Module) -> int:
     return swapped
 
 
-def pack_for_rows(model: nn.Module, rows: int | None) -> int:
-    """Pack every fast layer of `model` for products of exactly `rows` rows (None: drop packs).
+def pack_for_rows(model: nn.Module, rows: int | tuple[int, ...] | None) -> int:
+    """Pack every fast layer of `model` for products of exactly `rows` rows (one count or a few;
+    None: drop packs). Each count is a full copy of the weights, so keep to one or two.
 
-    Returns how many layers hold a pack for `rows`. Repacking for the size already packed
-    costs nothing; a new size takes ~0.25 s for SmolLM2-135M and replaces the old pack.
+    Returns how many layers hold a pack. Repacking for the sizes already packed costs
+    nothing; a new size takes ~0.25 s for SmolLM2-135M and replaces the packs of sizes no
+    longer asked for.
     """
     if not PACKING_AVAILABLE:
         return 0

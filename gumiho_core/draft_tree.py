@@ -103,6 +103,34 @@ class DraftTree:
         return paths
 
 
+class _Candidates:
+    """The candidate pool, node by node: parents always come before their children."""
+
+    def __init__(self, root_token: int):
+        self.tokens, self.parents, self.depths = [root_token], [-1], [0]
+        self.sources, self.scores = ["root"], [0.0]
+
+    def add(self, tokens: list[int], parents: list[int], scores: list[float], depth: int, source: str) -> list[int]:
+        first = len(self.tokens)
+        self.tokens.extend(tokens)
+        self.parents.extend(parents)
+        self.scores.extend(scores)
+        self.depths.extend([depth] * len(tokens))
+        self.sources.extend([source] * len(tokens))
+        return list(range(first, len(self.tokens)))
+
+
+@dataclass
+class _Beams:
+    """The serial head's best top_k nodes at its latest depth."""
+
+    nodes: list[int]
+    tokens: torch.Tensor
+    scores: torch.Tensor  # cumulative log-probabilities
+    producer: torch.Tensor  # (k, H) the serial output that predicted each beam's token
+    parent_input: torch.Tensor  # (k, H) the fc input of each beam's parent
+
+
 @torch.no_grad()
 def build_draft_tree(
     heads: GumihoHeads,
@@ -127,86 +155,71 @@ def build_draft_tree(
     depth_limit = min(settings.depth, cfg.max_depth, max_depth or cfg.max_depth)
     serial_depth = min(cfg.serial_depth, depth_limit)
     context_len = len(cache)
-    device = last_output.device
-
-    tokens: list[int] = [root_token]
-    parents: list[int] = [-1]
-    depths: list[int] = [0]
-    sources: list[str] = ["root"]
-    scores: list[float] = [0.0]
-
-    def add_nodes(new_tokens, new_parents, new_scores, depth, source):
-        first = len(tokens)
-        tokens.extend(new_tokens)
-        parents.extend(new_parents)
-        scores.extend(new_scores)
-        depths.extend([depth] * len(new_tokens))
-        sources.extend([source] * len(new_tokens))
-        return list(range(first, len(tokens)))
-
+    pool = _Candidates(root_token)
     try:
         # Depth 1, from the output at the root.
         logp = projection.log_probs(last_output[None])[0]
         top = torch.topk(logp, settings.top_k)
-        beam_scores = top.values
         beam_tokens = projection.tokens(top.indices)
-        beam_nodes = add_nodes(beam_tokens.tolist(), [0] * settings.top_k, beam_scores.tolist(), 1, SERIAL)
-        # For each beam: the serial output that predicted its token, and the fc input of its parent.
-        beam_producer = last_output[None].expand(settings.top_k, -1)
-        beam_parent_input = last_input[None].expand(settings.top_k, -1)
-        # Tree-phase cache entries each beam may attend to (its ancestors' entries).
-        ancestry = torch.zeros(settings.top_k, 0, dtype=torch.bool, device=device)
-
-        for depth in range(2, serial_depth + 1):
-            u = heads.fc_input(embed(beam_tokens), beam_producer)  # (k, H)
-            position = context_len + depth - 2
-            own = torch.eye(len(beam_nodes), dtype=torch.bool, device=device)
-            mask = torch.cat(
-                [torch.ones(len(beam_nodes), context_len, dtype=torch.bool, device=device), ancestry, own], dim=1
-            )
-            positions = torch.full((len(beam_nodes),), position, device=device)
-            out = heads.serial(u[None], positions, cache, mask[None, None])[0]  # (k, H)
-            logp = projection.log_probs(out)
-            top = torch.topk(logp, settings.top_k, dim=-1)
-            cumulative = (beam_scores[:, None] + top.values).view(-1)
-            best = torch.topk(cumulative, settings.top_k)
-            from_beam = best.indices // settings.top_k
-            new_tokens = projection.tokens(top.indices.view(-1)[best.indices])
-            new_parents = [beam_nodes[i] for i in from_beam.tolist()]
-            beam_nodes = add_nodes(new_tokens.tolist(), new_parents, best.values.tolist(), depth, SERIAL)
-            ancestry = torch.cat([ancestry, own], dim=1)[from_beam]
-            beam_parent_input = u[from_beam]
-            beam_producer = out[from_beam]
-            beam_scores, beam_tokens = best.values, new_tokens
-
-        mlp_depths = depth_limit - serial_depth
-        if mlp_depths > 0:
-            u_next = heads.fc_input(embed(beam_tokens), beam_producer)  # u_{s+1} per beam
-            predicted = heads.parallel(torch.cat([beam_parent_input, u_next], dim=-1))[:mlp_depths]
-            logp = projection.log_probs(predicted)  # (D, k, V)
-            top = torch.topk(logp, settings.mlp_topk, dim=-1)
-            frontier_nodes = beam_nodes
-            frontier_beam = torch.arange(len(beam_nodes), device=device)
-            frontier_scores = beam_scores
-            for j in range(mlp_depths):
-                cand_scores = frontier_scores[:, None] + top.values[j, frontier_beam]  # (F, mlp_topk)
-                cand_tokens = projection.tokens(top.indices[j, frontier_beam])
-                keep = torch.topk(cand_scores.view(-1), min(settings.pruning, cand_scores.numel()))
-                from_frontier = keep.indices // settings.mlp_topk
-                new_parents = [frontier_nodes[i] for i in from_frontier.tolist()]
-                frontier_nodes = add_nodes(
-                    cand_tokens.view(-1)[keep.indices].tolist(),
-                    new_parents,
-                    keep.values.tolist(),
-                    serial_depth + 1 + j,
-                    MLP,
-                )
-                frontier_beam = frontier_beam[from_frontier]
-                frontier_scores = keep.values
+        beams = _Beams(pool.add(beam_tokens.tolist(), [0] * settings.top_k, top.values.tolist(), 1, SERIAL),
+                       beam_tokens, top.values, last_output[None].expand(settings.top_k, -1),
+                       last_input[None].expand(settings.top_k, -1))
+        beams = _serial_depths(heads, embed, projection, cache, pool, beams, settings, serial_depth)
+        if depth_limit > serial_depth:
+            _mlp_depths(heads, embed, projection, pool, beams, settings, serial_depth, depth_limit - serial_depth)
     finally:
         cache.crop(context_len)
+    return _select(pool.tokens, pool.parents, pool.depths, pool.sources, pool.scores, settings, last_output.device)
 
-    return _select(tokens, parents, depths, sources, scores, settings, device)
+
+def _serial_depths(heads, embed, projection, cache: DraftCache, pool: _Candidates, beams: _Beams,
+                   settings: TreeSettings, serial_depth: int) -> _Beams:
+    """Depths 2..serial_depth: each beam's top_k children, the best top_k of them kept."""
+    device, context_len = beams.scores.device, len(cache)
+    # Tree-phase cache entries each beam may attend to (its ancestors' entries).
+    ancestry = torch.zeros(settings.top_k, 0, dtype=torch.bool, device=device)
+    for depth in range(2, serial_depth + 1):
+        u = heads.fc_input(embed(beams.tokens), beams.producer)  # (k, H)
+        position = context_len + depth - 2
+        own = torch.eye(len(beams.nodes), dtype=torch.bool, device=device)
+        mask = torch.cat(
+            [torch.ones(len(beams.nodes), context_len, dtype=torch.bool, device=device), ancestry, own], dim=1
+        )
+        positions = torch.full((len(beams.nodes),), position, device=device)
+        out = heads.serial(u[None], positions, cache, mask[None, None])[0]  # (k, H)
+        logp = projection.log_probs(out)
+        top = torch.topk(logp, settings.top_k, dim=-1)
+        cumulative = (beams.scores[:, None] + top.values).view(-1)
+        best = torch.topk(cumulative, settings.top_k)
+        from_beam = best.indices // settings.top_k
+        new_tokens = projection.tokens(top.indices.view(-1)[best.indices])
+        new_parents = [beams.nodes[i] for i in from_beam.tolist()]
+        nodes = pool.add(new_tokens.tolist(), new_parents, best.values.tolist(), depth, SERIAL)
+        ancestry = torch.cat([ancestry, own], dim=1)[from_beam]
+        beams = _Beams(nodes, new_tokens, best.values, out[from_beam], u[from_beam])
+    return beams
+
+
+def _mlp_depths(heads, embed, projection, pool: _Candidates, beams: _Beams, settings: TreeSettings,
+                serial_depth: int, mlp_depths: int) -> None:
+    """The later depths at once from the MLP heads; each keeps the best `pruning` candidates."""
+    u_next = heads.fc_input(embed(beams.tokens), beams.producer)  # u_{s+1} per beam
+    predicted = heads.parallel(torch.cat([beams.parent_input, u_next], dim=-1))[:mlp_depths]
+    logp = projection.log_probs(predicted)  # (D, k, V)
+    top = torch.topk(logp, settings.mlp_topk, dim=-1)
+    frontier_nodes = beams.nodes
+    frontier_beam = torch.arange(len(beams.nodes), device=beams.scores.device)
+    frontier_scores = beams.scores
+    for j in range(mlp_depths):
+        cand_scores = frontier_scores[:, None] + top.values[j, frontier_beam]  # (F, mlp_topk)
+        cand_tokens = projection.tokens(top.indices[j, frontier_beam])
+        keep = torch.topk(cand_scores.view(-1), min(settings.pruning, cand_scores.numel()))
+        from_frontier = keep.indices // settings.mlp_topk
+        new_parents = [frontier_nodes[i] for i in from_frontier.tolist()]
+        frontier_nodes = pool.add(cand_tokens.view(-1)[keep.indices].tolist(), new_parents, keep.values.tolist(),
+                                  serial_depth + 1 + j, MLP)
+        frontier_beam = frontier_beam[from_frontier]
+        frontier_scores = keep.values
 
 
 def _select(tokens, parents, depths, sources, scores, settings: TreeSettings, device) -> DraftTree:

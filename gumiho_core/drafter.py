@@ -11,8 +11,8 @@ update_candidate_strategy):
 - `draft(step)`: the tree below the root (`DraftStep`: the tokens so far and the target's
   features of the cached ones);
 - `observe(tree, path)`: the nodes the target accepted;
-- `tree_rows(tree_settings)`: how many rows its trees can have, so the target pass can be
-  prepared for them (verify.TreePass).
+- `tree_sizes(tree_settings)`: the row counts its trees have, so the target pass can be
+  prepared for them (verify.TargetPasses).
 
 Because the target verifies every tree against its own choices, a drafter can only change
 speed, never the output: a test's oracle, a recorder, or plain decoding (`PlainDrafter`,
@@ -65,10 +65,10 @@ class Drafter:
     def observe(self, tree: DraftTree, path: list[int]) -> None:
         """The target accepted `path` (tree nodes, the root first) of `tree`."""
 
-    def tree_rows(self, tree: TreeSettings) -> int:
-        """How many rows its trees hold under `tree` (at most, but for rare longer ones):
-        the target pass is prepared for this size."""
-        return 1
+    def tree_sizes(self, tree: TreeSettings) -> tuple[int, ...]:
+        """The row counts its trees have under `tree` (at most, but for rare longer ones),
+        smallest first: the target pass is prepared for them, a tree padded up to the next."""
+        return (1,)
 
 
 class PlainDrafter(Drafter):
@@ -87,8 +87,8 @@ class GumihoDrafter(Drafter):
         self.target, self.heads = target, heads
         self.projection = DraftVocabProjection(target.lm_head, heads.draft_vocab)
         self.cache = heads.new_cache()
-        # The tokens the cache has read (and more): draft position i read token i+1 with
-        # target feature i. A tensor, turned into a list only when a generation begins.
+        # The context at the cache's last read: draft position i read token i+1 with target
+        # feature i. Kept as a tensor, turned into a list only when a generation begins.
         self.read = torch.zeros(0, dtype=torch.long)
         self.tree = TreeSettings()
         self.lookup = LookupLength(0)
@@ -101,20 +101,22 @@ class GumihoDrafter(Drafter):
         pack_for_rows(self.heads, self.tree.top_k)
         if self.projection.project is not self.target.lm_head:  # a draft vocabulary of its own
             pack_for_rows(self.projection.project, self.tree.top_k)
-        # Position i stays valid while token i+1 is shared, and while the target side still
-        # holds feature i's neighbours (its own prefix): both are counted in tokens.
+        # Position i stays valid while token i+1 is one this cache read and the new prompt
+        # repeats, and feature i one the target side keeps (its first `shared` tokens).
         keep = min(common_prefix_length(self.read.tolist(), prompt_ids), shared) - 1
         if keep <= 0:
             self.cache = self.heads.new_cache()
         else:
             self.cache.crop(min(len(self.cache), keep))
 
-    def tree_rows(self, tree: TreeSettings) -> int:
-        # The heads' best total_tokens nodes and a looked-up chain of the base length. While
-        # the answer repeats itself a chain grows past it (up to 4x), but then it replaces
-        # the heads' nodes, and such steps are rare (none in 6 mt_bench answers): padding
-        # every tree to their size would cost every step.
-        return tree.total_tokens + tree.lookup_tokens
+    def tree_sizes(self, tree: TreeSettings) -> tuple[int, ...]:
+        # The heads' best total_tokens nodes (62 % of mt_bench passes: no chain, or one the
+        # heads guessed too), and those with a looked-up chain of the base length. Padding
+        # those to the larger size alone made most passes dearer (SmolLM2-135M: 77 ms at
+        # 14 rows against 61 ms at 6). While the answer repeats itself a chain grows past
+        # it (up to 4x) and replaces the heads' nodes; such steps are rare (1 in 523 passes
+        # of 8 mt_bench answers) and run unpadded.
+        return tuple(sorted({tree.total_tokens, tree.total_tokens + tree.lookup_tokens}))
 
     def draft(self, step: DraftStep) -> DraftTree:
         """Look up a chain in the context, feed the serial head what it has not read yet,
@@ -173,5 +175,5 @@ class RecordingDrafter(Drafter):
         self.steps.append((tree, path))
         self.inner.observe(tree, path)
 
-    def tree_rows(self, tree: TreeSettings) -> int:
-        return self.inner.tree_rows(tree)
+    def tree_sizes(self, tree: TreeSettings) -> tuple[int, ...]:
+        return self.inner.tree_sizes(tree)

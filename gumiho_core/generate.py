@@ -56,7 +56,6 @@ class Detokenizer:
         return ""
 
 
-
 class StopRule:
     """When a generation is finished, and why: decided after each emitted token and each step."""
 
@@ -140,7 +139,7 @@ class Engine:
             reuse, self.prefix = (self.prefix if reuse_prefix else None), None
             shared = 0 if reuse is None else reuse.shared_with(prompt_ids)
             drafter.begin(prompt_ids, shared, settings)
-            self.passes.prepare(drafter.tree_rows(settings.tree))
+            self.passes.prepare(drafter.tree_sizes(settings.tree))
             run = _Generation(self.target, self.passes, drafter, prompt_ids, settings, cancel)
             if shared > 0:
                 run.reuse(reuse, shared)

@@ -69,31 +69,33 @@ def run_target(target, cache, input_ids: torch.Tensor, position_ids: torch.Tenso
 
 class TargetPasses:
     """The target's forward passes for an engine: prefills, and tree verifications padded up to
-    the row count its CPU weight packs are prepared for.
+    a row count its CPU weight packs are prepared for.
 
     MKL's packed sgemm is fast for exactly the row count the weights were packed for
     (cpu_matmul.py); a product of any other count falls back to the slower x @ W_t path.
     Tree sizes vary: the heads fill `total_tokens` rows and the context-lookup branch adds up
     to `lookup_tokens` more (SmolLM2-135M, mt_bench: 38 % of passes had 7-14 rows while the
-    pack was for the 6 of the budget). So the pack is made for what a tree can hold (the
-    drafter's `tree_rows`) and every smaller tree is padded up to it. Padding rows see only
-    themselves and no node sees them, so no real row's numbers change; their logits and
-    features are dropped here and their cache entries with the rest of the tree
-    (keep_path_in_cache): they are never candidates. Trees beyond the prepared size (a long
-    looked-up chain while the answer repeats itself) run as they are.
+    only pack was for the 6 of the budget). So the weights are packed for the sizes the
+    drafter names (`Drafter.tree_sizes`: the budget, and the budget plus a chain) and a tree
+    is padded up to the next of them. Padding rows see only themselves and no node sees
+    them, so no real row's numbers change; their logits and features are dropped here and
+    their cache entries with the rest of the tree (keep_path_in_cache): they are never
+    candidates. A tree beyond the largest size (a long looked-up chain while the answer
+    repeats itself) runs as it is.
     """
 
     def __init__(self, target):
         self.target = target
-        self.rows = 1  # tree passes are padded up to this many rows (1: not padded)
+        self.sizes: tuple[int, ...] = ()  # tree passes are padded up to the next of these
 
-    def prepare(self, rows: int) -> None:
-        """Get ready for trees of up to `rows` rows. One row (plain decoding) leaves the pack
-        in place for the next speculative call; no pack possible (a GPU, no MKL): no padding."""
-        if rows <= 1:
-            self.rows = 1
+    def prepare(self, sizes: tuple[int, ...]) -> None:
+        """Get ready for trees of these row counts. Plain decoding (one row) leaves the packs in
+        place for the next speculative call; no pack possible (a GPU, no MKL): no padding."""
+        sizes = tuple(n for n in sizes if n > 1)
+        if not sizes:
+            self.sizes = ()
         else:
-            self.rows = rows if pack_for_rows(self.target.model, rows) else 1
+            self.sizes = sizes if pack_for_rows(self.target.model, sizes) else ()
 
     def prefill(self, cache, context: torch.Tensor, start: int):
         """Read context[start:] into the cache. Returns (its features, the last token's logits)."""
@@ -103,7 +105,7 @@ class TargetPasses:
     def verify(self, cache, tree: DraftTree, past_len: int):
         """One pass over `tree` below `past_len` cached tokens: (features, logits) of its nodes."""
         device, n = self.target.device, len(tree)
-        padding = self.rows - n if 1 < n < self.rows else 0
+        padding = next((size - n for size in self.sizes if size >= n), 0) if n > 1 else 0
         tokens = tree.tokens.to(device)
         depths = torch.tensor(tree.depths + [0] * padding, device=device)
         mask = None

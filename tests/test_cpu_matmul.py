@@ -65,7 +65,7 @@ def test_engine_packs_the_tree_size_and_stays_lossless():
 
 @needs_packing
 def test_tree_passes_with_the_lookup_branch_run_on_the_pack(monkeypatch):
-    """The lookup branch grows trees past total_tokens; each is padded to the packed size."""
+    """The lookup branch grows trees past total_tokens; each is padded up to a packed size."""
     target = tiny_target(seed=4, eos=False, tied=True)
     use_fast_cpu_layouts(target.model)
     engine = Engine(target, new_heads(target))
@@ -77,11 +77,12 @@ def test_tree_passes_with_the_lookup_branch_run_on_the_pack(monkeypatch):
 
     def watched(x):
         rows = x.reshape(-1, x.shape[-1]).shape[0]
-        passes.append((rows, layer.packed is not None and layer.packed[0] == rows))
+        passes.append((rows, rows in layer.packs))
         return real(x)
 
     monkeypatch.setattr(layer, "forward", watched)
-    prepared = engine.drafter.tree_rows(tree)
+    prepared = engine.drafter.tree_sizes(tree)
+    assert prepared == (4, 10)  # the budget, and the budget with a looked-up chain
     sizes = set()
     for p in random_prompts(4, seed=21, lo=4, hi=7):
         prompt = p + p[1:] + p[1:]  # the context's tail has occurred before: chains get looked up
@@ -93,9 +94,9 @@ def test_tree_passes_with_the_lookup_branch_run_on_the_pack(monkeypatch):
         assert len(passes) == 1 + len(recorder.steps)  # the prefill, then one pass per tree
         for t, (rows, packed) in zip(recorder.trees, passes[1:]):
             sizes.add(len(t))
-            if len(t) <= prepared:
-                assert rows == prepared and packed
-    assert any(tree.total_tokens < n <= prepared for n in sizes), "the lookup should have grown some trees"
+            if len(t) <= prepared[-1]:
+                assert rows == min(size for size in prepared if size >= len(t)) and packed
+    assert any(tree.total_tokens < n <= prepared[-1] for n in sizes), "the lookup should have grown some trees"
 
 
 def test_target_swap_keeps_logits_and_tied_embeddings():
