@@ -4,9 +4,9 @@ Chat answers repeat their own words and the prompt's: names, code identifiers, l
 structure, whole sentences when a small model loops. Where the last few tokens (the
 n-gram ending with the root) occurred before, the tokens that followed them then are a
 free guess for what follows now (prompt lookup decoding, Saxena 2023; transformers'
-`prompt_lookup_num_tokens`). The engine adds that guess to the Gumiho tree as one more
-branch (draft_tree.add_chain), so the target verifies heads' guesses and looked-up ones in
-the same pass, and output stays exactly the target's.
+`prompt_lookup_num_tokens`). The Gumiho drafter (drafter.py) adds that guess to its tree
+as one more branch (draft_tree.add_chain), so the target verifies heads' guesses and
+looked-up ones in the same pass, and output stays exactly the target's.
 
 Measured on this project's bench answers (SmolLM2-135M greedy, 256 tokens; the analysis
 that chose the defaults is in the README): a match of 2-3 tokens is found at 23 % of the

@@ -13,10 +13,10 @@ Where PyTorch is built with MKL, a tree pass of a known size goes further: MKL's
 sgemm (the weight re-laid out once for exactly that many rows, `pack_for_rows`) keeps a
 4-row product at about a 1-row product's cost, while x @ W_t still costs 1.4x. Measured over
 all 30 layers' weights (not cache-resident): 1 row 18 ms with x @ W_t; 4 rows 25 ms with
-x @ W_t, 18 ms packed; 8 rows 37 / 22 ms. One packing is a second copy of the weights (~540 MB for SmolLM2-135M),
-so one size is packed: what a tree pass can hold, the budget plus the looked-up chain, and
-smaller trees are padded up to it (verify.TargetPasses). Every other row count takes the
-x @ W_t path.
+x @ W_t, 18 ms packed; 8 rows 37 / 22 ms. Each packing is another copy of the weights (~540 MB for SmolLM2-135M),
+so only the two tree sizes a drafter names are packed, the budget and the budget plus a
+looked-up chain, and a tree is padded up to the next of them (verify.TargetPasses).
+Every other row count takes the x @ W_t path.
 
 Only the layout changes: every output element is still a float32 dot product of the same
 numbers (bit-equal in our checks, within float32 rounding by contract), and the benchmark
