@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gumiho_core.cli import PROJECT_ROOT
+from gumiho_core.loading import PROJECT_ROOT
 from gumiho_core.heads import CONFIG_FILE, WEIGHTS_FILE
 
 # Where heads land: shipped ones in assets/heads, fresh training runs in runs/.

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -254,60 +253,3 @@ def format_table(report: dict) -> str:
     else:
         lines.append("outputs identical across methods" if mism == 0 else f"!!! {mism} OUTPUT MISMATCHES !!!")
     return "\n".join(lines)
-
-
-# -- CLI ------------------------------------------------------------------------------------
-
-
-def cmd_bench(args) -> int:
-    from .cli import chosen_tree, load_engine, tree_from_args
-    from .mkl_on_amd import active as mkl_on_amd_active
-    from .tree_budget import choose_tree, format_budget
-
-    prompt_sets = {Path(p).stem: read_prompts(p, args.limit) for p in args.prompts}
-    settings = GenerationSettings(
-        max_new_tokens=args.max_new_tokens,
-        sampling=SamplingSettings(temperature=args.temperature, seed=args.seed),
-        tree=tree_from_args(args),
-    )
-    settings.validate()
-    methods = tuple(args.methods.split(","))
-    unknown = set(methods) - set(METHODS)
-    if unknown or "plain" not in methods:
-        raise GumihoError(f"--methods must include plain and be among {', '.join(METHODS)}")
-    torch.set_num_threads(args.threads or torch.get_num_threads())
-    engine, heads_note = load_engine(args)
-    mkl = "MKL AVX-512/AVX2 path on AMD (mkl_on_amd)" if mkl_on_amd_active() else "MKL default path"
-    print(f"target {engine.target.name}, heads {heads_note}, threads {torch.get_num_threads()}, {mkl}", file=sys.stderr)
-    # The measured cost curve and the budget it implies are always printed; they are used
-    # with --auto-tree (explicit tree flags still win).
-    _, budget = choose_tree(engine)
-    print(format_budget(budget))
-    settings = settings.with_(tree=chosen_tree(engine, args))
-    print(f"tree used: {settings.tree}")
-    report = benchmark(engine, prompt_sets, settings, methods, log=lambda s: print(s, file=sys.stderr))
-    report["heads"] = heads_note
-    report["tree_budget"] = budget
-    report["target"] = engine.target.name
-    report["mkl_on_amd"] = mkl_on_amd_active()
-    print(format_table(report))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
-    return 0
-
-
-def register_cli(sub) -> None:
-    from .cli import add_model_args, add_tree_args
-
-    b = sub.add_parser("bench", help="speed: plain vs Gumiho vs transformers, side by side")
-    b.add_argument("--prompts", action="append", required=True, help="JSONL with 'turns' (repeatable)")
-    b.add_argument("--limit", type=int, default=None, help="first N prompts of each file")
-    b.add_argument("--max-new-tokens", type=int, default=256)
-    b.add_argument("--temperature", type=float, default=0.0)
-    b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"among {', '.join(METHODS)}")
-    b.add_argument("--threads", type=int, default=None)
-    b.add_argument("--json", default=None, help="write the full report here")
-    add_model_args(b)
-    add_tree_args(b)
-    b.set_defaults(func=cmd_bench)

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from .errors import GumihoError
-from .heads import CONFIG_FILE, WEIGHTS_FILE, GumihoHeads, HeadCheckpoint, HeadConfig, check_heads_match, place
+from .heads import GumihoHeads, HeadConfig, check_heads_match, place
 
 PUBLISHED_CONFIG = "config.json"
 # Single files, then their sharded forms (an index json that maps names to shard files).
@@ -33,31 +33,6 @@ _MLP_KEY = re.compile(r"^mlp\.mlp\.(\d+)\.(\d+)\.linear\.(weight|bias)$")
 _LAYER_KEY = re.compile(r"^layers\.(\d+)\.(.+)$")
 _ROTARY_KEY = re.compile(r"^layers\.(\d+)\.self_attn\.rotary_emb\.inv_freq$")
 DROPPED = {"embed_tokens.weight"}
-
-
-def load_heads(path, target=None, device=None, dtype=None) -> GumihoHeads:
-    """Heads from a folder in our format or in the published amd/Gumiho-* layout."""
-    folder = Path(path)
-    if heads_layout(folder) == "ours":
-        return HeadCheckpoint.load(folder, target, device, dtype)
-    return load_published(folder, target, device, dtype)
-
-
-def heads_layout(folder: Path) -> str:
-    """Which layout a heads folder holds, "ours" or "published"; a clear error for anything
-    else. Cheap, so the CLI checks the path before spending seconds loading the target."""
-    if not folder.exists():
-        raise GumihoError(f"heads not found: {folder}")
-    if not folder.is_dir():
-        raise GumihoError(f"heads must be a folder, got the file {folder}")
-    if (folder / CONFIG_FILE).is_file() or (folder / WEIGHTS_FILE).is_file():
-        return "ours"
-    if (folder / PUBLISHED_CONFIG).is_file() and _weights_file(folder) is not None:
-        return "published"
-    raise GumihoError(
-        f"{folder} is not a heads checkpoint: expected {CONFIG_FILE} + {WEIGHTS_FILE} (ours) or "
-        f"{PUBLISHED_CONFIG} + {' / '.join(WEIGHT_CHOICES)} (amd/Gumiho-* layout)"
-    )
 
 
 def load_published(folder, target=None, device=None, dtype=None) -> GumihoHeads:
@@ -72,7 +47,7 @@ def load_published(folder, target=None, device=None, dtype=None) -> GumihoHeads:
     return place(heads, target, device, dtype)
 
 
-def _weights_file(folder: Path) -> Path | None:
+def weights_file(folder: Path) -> Path | None:
     for name in WEIGHT_CHOICES:
         if (folder / name).is_file():
             return folder / name
@@ -80,7 +55,7 @@ def _weights_file(folder: Path) -> Path | None:
 
 
 def read_published_weights(folder: Path) -> dict[str, torch.Tensor]:
-    first = _weights_file(folder)
+    first = weights_file(folder)
     if first is None:
         raise GumihoError(f"{folder}: no weights found (expected one of {', '.join(WEIGHT_CHOICES)})")
     if first.name.endswith(".index.json"):

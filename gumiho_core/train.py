@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import math
 import random
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -269,23 +268,9 @@ def train(
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
-    from .train_data import load_conversations, read_manifest
-
     folders = [Path(d) for d in (data_dir if isinstance(data_dir, (list, tuple)) else [data_dir])]
     out_dir = Path(out_dir)
-    conversations = []
-    for folder in folders:  # several train-data folders train as one set
-        manifest = read_manifest(folder)
-        if manifest["target"]["hidden_size"] != target.hidden_size or manifest["target"]["vocab_size"] != target.vocab_size:
-            raise GumihoError(f"{folder} was made with {manifest['target']['name']}, not with {target.name}")
-        conversations += [c for c in load_conversations(folder) if len(c["input_ids"]) >= 8]
-    random.Random(seed).shuffle(conversations)
-    n_val = max(1, int(len(conversations) * val_fraction)) if len(conversations) > 1 else 0
-    val, train_set = conversations[:n_val], conversations[n_val:] or conversations
-
-    def draft_vocab(size: int) -> list[int]:  # the training answers' most frequent tokens
-        return frequent_tokens(train_set, min(size, target.vocab_size), target.eos_token_ids)
-
+    val, train_set = _split_data(target, folders, val_fraction, seed)
     if mixed_precision not in ("no", "bf16"):
         raise GumihoError(f"mixed_precision must be 'no' or 'bf16' (got {mixed_precision!r})")
     accelerator = Accelerator(gradient_accumulation_steps=grad_accum, cpu=not torch.cuda.is_available())
@@ -293,102 +278,151 @@ def train(
         log("warning: this CPU has no native bf16 (AVX512-BF16 or AMX), so bf16 autocast is emulated "
             "and far slower (95 s instead of 2.8 s a batch on an AVX2 machine): use --mixed-precision no")
     set_seed(seed)
-    state_dir = out_dir / "state"
-    progress_file = out_dir / "progress.json"
-    if init is not None:
-        # Warm start: a new run (fresh optimizer and schedule) from trained heads, e.g. the
-        # shipped ones on a larger data set. Their draft vocabulary and shape are kept.
-        heads = HeadCheckpoint.load(init, target, device="cpu", dtype=torch.float32)
-        if draft_vocab_size:  # the weights do not depend on it: it only picks rows of the frozen lm_head
-            heads = with_draft_vocab(heads, draft_vocab(draft_vocab_size))
-        heads.train()
-        heads.requires_grad_(True)
-        log(f"starting from the heads in {init} (draft vocabulary {heads.config.draft_vocab_size})")
-    else:
-        heads = new_trainable_heads(target, draft_vocab(draft_vocab_size or DRAFT_VOCAB_SIZE), seed)
+    heads = _starting_heads(target, train_set, init, draft_vocab_size, seed, log)
     model = DraftTrainer(heads, target.embed_tokens.weight, target.lm_head.weight, token_weight)
     optimizer = torch.optim.AdamW(heads.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     # Each process reads its share of the batches; an epoch ends with an optimizer step.
     loader = data_loader(train_set, batch_size, max_len, seed)
     steps_per_epoch = math.ceil(math.ceil(len(loader) / accelerator.num_processes) / grad_accum)
-    total_steps = max(1, steps_per_epoch * epochs)
-
-    def schedule(step):  # linear warm-up, cosine decay to 10%
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
+    schedule = _warmup_cosine(warmup_steps, max(1, steps_per_epoch * epochs))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     model, optimizer, scheduler, loader = accelerator.prepare(model, optimizer, scheduler, loader)
-
-    start_epoch, history = 0, []
-    if resume and progress_file.is_file() and state_dir.is_dir():
-        progress = json.loads(progress_file.read_text())
-        accelerator.load_state(str(state_dir))
-        start_epoch, history = progress["epoch"], progress["history"]
-        log(f"resuming after epoch {start_epoch} (step {progress['step']})")
-        planned = progress.get("planned_epochs", epochs)
-        if planned != epochs:  # the cosine schedule spans the planned epochs
-            log(f"note: this run was planned for {planned} epochs and now runs {epochs}: the learning-rate "
-                "schedule changes from here on, so it will not equal an uninterrupted run of either length")
-
+    run = _Run(accelerator, model, optimizer, scheduler, loader, out_dir, epochs, seed, mixed_precision, log)
+    start_epoch, history = run.resume() if resume else (0, [])
     start_metrics = None
     if init is not None and val and start_epoch == 0:
         # The yardstick for a warm start: the same validation of the heads it starts from, so
         # the log says whether the new data improves on them (or the restart hurt them).
         start_metrics = evaluate(accelerator.unwrap_model(model), val, batch_size, max_len)
         log(f"starting heads: {_format_metrics(start_metrics)}")
-
     step = start_epoch * steps_per_epoch
-    hidden = target.hidden_size
+    record = {"data": [str(f) for f in folders], "init": str(init) if init is not None else None,
+              "conversations": len(train_set), "tokens": sum(len(c["input_ids"]) for c in train_set),
+              "lr": lr, "batch_size": batch_size, "token_weight": token_weight}
     for epoch in range(start_epoch, epochs):
-        started, losses = time.time(), []
-        loader.set_epoch(epoch)
-        bar = tqdm(loader, desc=f"epoch {epoch + 1}/{epochs}", unit="batch", leave=False,
-                   disable=not (progress and accelerator.is_main_process))
-        for micro, batch in enumerate(bar):
-            # Noise drawn from a generator seeded by position in the run: a resumed run
-            # draws exactly what an uninterrupted one would.
-            rank = accelerator.process_index
-            gen = torch.Generator().manual_seed(seed * 100_003 + epoch * 10_007 + micro + rank * 1_000_003)
-            noise = (torch.rand(batch["features"].shape, generator=gen) - 0.5) * NOISE_STD * 512 / hidden
-            # bf16 autocast of the heads' matmuls: ~1.6x faster on a CPU with AVX512-BF16 (and
-            # on GPUs); parameters and optimizer state stay float32, so no loss scaling is needed.
-            # (Our own autocast, not Accelerator(mixed_precision=...): accelerate keeps that
-            # setting process-wide, so a second run in one process could not change it.)
-            with accelerator.accumulate(model):
-                with torch.autocast(accelerator.device.type, dtype=torch.bfloat16, enabled=mixed_precision == "bf16"):
-                    loss = model(batch, noise=noise.to(accelerator.device))["loss"]
-                accelerator.backward(loss)
-                if accelerator.sync_gradients:
-                    accelerator.clip_grad_norm_(model.parameters(), 0.5)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad()
-            losses.append(float(loss.detach()))
-            bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}", refresh=False)
-            if accelerator.sync_gradients:
-                step += 1
+        started = time.time()
+        losses, step = run.epoch(epoch, step, target.hidden_size, progress)
         metrics = evaluate(accelerator.unwrap_model(model), val, batch_size, max_len) if val else {}
         entry = {"epoch": epoch + 1, "step": step, "train_loss": sum(losses) / max(len(losses), 1),
                  "seconds": time.time() - started, **metrics}
         history.append(entry)
         log(f"epoch {epoch + 1}/{epochs}: train loss {entry['train_loss']:.4f}, {_format_metrics(metrics)} "
             f"({entry['seconds']:.0f} s)")
-        accelerator.save_state(str(state_dir))  # every process: RNG files per rank, sharded optimizers
-        if accelerator.is_main_process:
-            heads_out = accelerator.unwrap_model(model).heads
-            HeadCheckpoint.save(heads_out, out_dir / "heads", training={
-                "data": [str(f) for f in folders], "init": str(init) if init is not None else None, "conversations": len(train_set), "tokens": sum(len(c["input_ids"]) for c in train_set),
-                "epochs": epoch + 1, "lr": lr, "batch_size": batch_size, "token_weight": token_weight,
-                "history": history})
-            record = {"epoch": epoch + 1, "step": step, "planned_epochs": epochs, "history": history}
-            if start_metrics is not None:
-                record["start"] = start_metrics
-            progress_file.write_text(json.dumps(record, indent=1))
-        accelerator.wait_for_everyone()
+        run.save(epoch, step, history, record, start_metrics)
     return {"history": history, "heads": str(out_dir / "heads"), "start": start_metrics}
+
+
+def _split_data(target, folders: list[Path], val_fraction: float, seed: int) -> tuple[list[dict], list[dict]]:
+    """(validation, training) conversations from several train-data folders read as one set."""
+    from .train_data import load_conversations, read_manifest
+
+    conversations = []
+    for folder in folders:
+        manifest = read_manifest(folder)
+        if manifest["target"]["hidden_size"] != target.hidden_size or manifest["target"]["vocab_size"] != target.vocab_size:
+            raise GumihoError(f"{folder} was made with {manifest['target']['name']}, not with {target.name}")
+        conversations += [c for c in load_conversations(folder) if len(c["input_ids"]) >= 8]
+    random.Random(seed).shuffle(conversations)
+    n_val = max(1, int(len(conversations) * val_fraction)) if len(conversations) > 1 else 0
+    return conversations[:n_val], conversations[n_val:] or conversations
+
+
+def _starting_heads(target, train_set: list[dict], init, draft_vocab_size: int | None, seed: int, log) -> GumihoHeads:
+    def draft_vocab(size: int) -> list[int]:  # the training answers' most frequent tokens
+        return frequent_tokens(train_set, min(size, target.vocab_size), target.eos_token_ids)
+
+    if init is None:
+        return new_trainable_heads(target, draft_vocab(draft_vocab_size or DRAFT_VOCAB_SIZE), seed)
+    # Warm start: a new run (fresh optimizer and schedule) from trained heads, e.g. the
+    # shipped ones on a larger data set. Their draft vocabulary and shape are kept.
+    heads = HeadCheckpoint.load(init, target, device="cpu", dtype=torch.float32)
+    if draft_vocab_size:  # the weights do not depend on it: it only picks rows of the frozen lm_head
+        heads = with_draft_vocab(heads, draft_vocab(draft_vocab_size))
+    heads.train()
+    heads.requires_grad_(True)
+    log(f"starting from the heads in {init} (draft vocabulary {heads.config.draft_vocab_size})")
+    return heads
+
+
+def _warmup_cosine(warmup_steps: int, total_steps: int):
+    def schedule(step):  # linear warm-up, cosine decay to 10%
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return schedule
+
+
+class _Run:
+    """One training run's moving parts: an epoch of steps, and the state saved after it."""
+
+    def __init__(self, accelerator, model, optimizer, scheduler, loader, out_dir: Path, epochs: int, seed: int,
+                 mixed_precision: str, log):
+        self.accelerator, self.model, self.optimizer, self.scheduler, self.loader = (
+            accelerator, model, optimizer, scheduler, loader)
+        self.state_dir, self.progress_file = out_dir / "state", out_dir / "progress.json"
+        self.heads_dir = out_dir / "heads"
+        self.epochs, self.seed, self.mixed_precision, self.log = epochs, seed, mixed_precision, log
+
+    def resume(self) -> tuple[int, list]:
+        """(epochs done, history) from the run folder; (0, []) if it holds no state."""
+        if not (self.progress_file.is_file() and self.state_dir.is_dir()):
+            return 0, []
+        progress = json.loads(self.progress_file.read_text())
+        self.accelerator.load_state(str(self.state_dir))
+        self.log(f"resuming after epoch {progress['epoch']} (step {progress['step']})")
+        planned = progress.get("planned_epochs", self.epochs)
+        if planned != self.epochs:  # the cosine schedule spans the planned epochs
+            self.log(f"note: this run was planned for {planned} epochs and now runs {self.epochs}: the learning-"
+                     "rate schedule changes from here on, so it will not equal an uninterrupted run of either length")
+        return progress["epoch"], progress["history"]
+
+    def epoch(self, epoch: int, step: int, hidden: int, progress: bool) -> tuple[list[float], int]:
+        """One pass over the training batches. Returns (losses, optimizer steps so far)."""
+        accelerator, model, losses = self.accelerator, self.model, []
+        self.loader.set_epoch(epoch)
+        bar = tqdm(self.loader, desc=f"epoch {epoch + 1}/{self.epochs}", unit="batch", leave=False,
+                   disable=not (progress and accelerator.is_main_process))
+        for micro, batch in enumerate(bar):
+            # Noise drawn from a generator seeded by position in the run: a resumed run
+            # draws exactly what an uninterrupted one would.
+            rank = accelerator.process_index
+            gen = torch.Generator().manual_seed(self.seed * 100_003 + epoch * 10_007 + micro + rank * 1_000_003)
+            noise = (torch.rand(batch["features"].shape, generator=gen) - 0.5) * NOISE_STD * 512 / hidden
+            # bf16 autocast of the heads' matmuls: ~1.6x faster on a CPU with AVX512-BF16 (and
+            # on GPUs); parameters and optimizer state stay float32, so no loss scaling is needed.
+            # (Our own autocast, not Accelerator(mixed_precision=...): accelerate keeps that
+            # setting process-wide, so a second run in one process could not change it.)
+            with accelerator.accumulate(model):
+                with torch.autocast(accelerator.device.type, dtype=torch.bfloat16,
+                                    enabled=self.mixed_precision == "bf16"):
+                    loss = model(batch, noise=noise.to(accelerator.device))["loss"]
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), 0.5)
+                self.optimizer.step()
+                self.scheduler.step()
+                self.optimizer.zero_grad()
+            losses.append(float(loss.detach()))
+            bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}", refresh=False)
+            if accelerator.sync_gradients:
+                step += 1
+        return losses, step
+
+    def save(self, epoch: int, step: int, history: list, record: dict, start_metrics: dict | None) -> None:
+        """The resumable state (every process), the heads and the progress file (main process)."""
+        accelerator = self.accelerator
+        accelerator.save_state(str(self.state_dir))  # every process: RNG files per rank, sharded optimizers
+        if accelerator.is_main_process:
+            heads_out = accelerator.unwrap_model(self.model).heads
+            HeadCheckpoint.save(heads_out, self.heads_dir,
+                                training={**record, "epochs": epoch + 1, "history": history})
+            progress = {"epoch": epoch + 1, "step": step, "planned_epochs": self.epochs, "history": history}
+            if start_metrics is not None:
+                progress["start"] = start_metrics
+            self.progress_file.write_text(json.dumps(progress, indent=1))
+        accelerator.wait_for_everyone()
 
 
 def _format_metrics(metrics: dict) -> str:
@@ -484,58 +518,3 @@ def export_heads(source: str | Path, dest: str | Path, dtype: str = "float16") -
     _, training = HeadCheckpoint.read_config(source)
     compact = copy.deepcopy(heads).to(dtypes[dtype])  # Module.to(dtype) leaves integer buffers alone
     return HeadCheckpoint.save(compact, dest, training={**training, "stored_dtype": dtype, "exported_from": str(source)})
-
-
-# -- command line ----------------------------------------------------------------------------------
-
-
-def register_cli(sub) -> None:
-    from .cli import add_model_args
-
-    p = sub.add_parser("train", help="train Gumiho heads on data made by train-data")
-    p.add_argument("--data", required=True, action="append",
-                   help="folder written by `train-data` (repeat to train on several)")
-    p.add_argument("--out", required=True, help="run folder: heads/ each epoch, state/ for resuming")
-    p.add_argument("--epochs", type=int, default=4)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--grad-accum", type=int, default=1)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--warmup-steps", type=int, default=50)
-    p.add_argument("--max-len", type=int, default=512)
-    p.add_argument("--draft-vocab", type=int, default=None,
-                   help=f"draft vocabulary size, the data's most frequent tokens (default {DRAFT_VOCAB_SIZE}; "
-                        "with --init: theirs unless given)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-resume", action="store_true", help="start over even if the run folder has a state")
-    p.add_argument("--mixed-precision", default="no", choices=["no", "bf16"],
-                   help="autocast the matmuls (bf16: faster on CPUs with AVX512-BF16 and on GPUs)")
-    p.add_argument("--init", default=None,
-                   help="start from these trained heads (a heads folder) instead of fresh ones")
-    p.add_argument("--token-weight", type=float, default=P_WEIGHT,
-                   help=f"weight of the cross-entropy against the target's next-token distribution "
-                        f"(the features' SmoothL1 weighs {V_WEIGHT}; default {P_WEIGHT}, Gumiho's)")
-    p.add_argument("--threads", type=int, default=None)
-    add_model_args(p)
-    p.set_defaults(func=_cmd_train)
-
-    e = sub.add_parser("export-heads", help="copy a heads checkpoint with float16 weights (for shipping)")
-    e.add_argument("source", help="heads folder, e.g. RUN/heads")
-    e.add_argument("dest", help="output folder, e.g. assets/heads/smollm2-135m-instruct")
-    e.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
-    e.set_defaults(func=lambda args: print(f"wrote {export_heads(args.source, args.dest, args.dtype)}") or 0)
-
-
-def _cmd_train(args) -> int:
-    from .target import load_target
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    target = load_target(args.model, dtype=args.dtype, quantize=args.quantize, device=args.device)
-    result = train(target, args.data, args.out, epochs=args.epochs, batch_size=args.batch_size,
-                   grad_accum=args.grad_accum, lr=args.lr, warmup_steps=args.warmup_steps, max_len=args.max_len,
-                   draft_vocab_size=args.draft_vocab, seed=args.seed, resume=not args.no_resume,
-                   mixed_precision=args.mixed_precision, init=args.init,
-                   token_weight=args.token_weight, log=lambda s: print(s, file=sys.stderr, flush=True),
-                   progress=True)
-    print(f"heads written to {result['heads']}")
-    return 0

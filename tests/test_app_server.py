@@ -13,10 +13,10 @@ def fake_serve(monkeypatch):
     """cmd_serve with a tiny engine and uvicorn.run recorded instead of run."""
     import uvicorn
 
-    import gumiho_core.cli
+    from gumiho_core import loading
 
     target = tiny.tiny_target()
-    monkeypatch.setattr(gumiho_core.cli, "load_engine", lambda args: (Engine(target, new_heads(target)), "untrained"))
+    monkeypatch.setattr(loading, "load_engine", lambda *a, **k: (Engine(target, new_heads(target)), "untrained"))
     calls = []
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: calls.append(kw))
     return calls

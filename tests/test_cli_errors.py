@@ -45,10 +45,12 @@ def test_folder_that_is_not_a_model(tmp_path):
 
 
 @pytest.mark.parametrize("flag,value,message", [
-    ("--temperature", "-1", "temperature must be >= 0"),
-    ("--top-p", "0", "top_p must be in (0, 1]"),
-    ("--top-p", "1.5", "top_p must be in (0, 1]"),
-    ("--max-new-tokens", "0", "max_new_tokens must be at least 1"),
+    # The same words as the UI and the API say them (gumiho_core/settings.py checks all three).
+    ("--temperature", "-1", "temperature must be 0 or more"),
+    ("--temperature", "nan", "temperature must be a finite number"),
+    ("--top-p", "0", "top_p must be more than 0 and at most 1"),
+    ("--top-p", "1.5", "top_p must be more than 0 and at most 1"),
+    ("--max-new-tokens", "0", "max new tokens must be a whole number, at least 1"),
     ("--total-tokens", "1", "total_tokens must be at least 2"),
 ])
 def test_invalid_settings(flag, value, message):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from gumiho_core import Engine, GenerationSettings, HeadCheckpoint, new_heads, run_to_end
-from gumiho_core.cli import SHIPPED_HEADS
+from gumiho_core.loading import SHIPPED_HEADS
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from gumiho_core import Engine, GenerationSettings, GumihoError, HeadCheckpoint, TreeSettings, new_heads, run_to_end
-from gumiho_core.published import load_heads
+from gumiho_core.loading import load_heads
 from tiny import random_prompts, tiny_target
 
 H, HEADS, KV, INTER, VOCAB, LAYERS = 64, 4, 2, 128, 96, 2
@@ -175,13 +175,12 @@ def test_our_format_still_loads(tmp_path, target):
         assert a == b and torch.equal(x, y)
 
 
-def test_cli_load_engine_reads_published_heads(tmp_path, target, state, monkeypatch):
-    from gumiho_core import cli, target as target_module
+def test_load_engine_reads_published_heads(tmp_path, target, state, monkeypatch):
+    from gumiho_core import loading
 
-    monkeypatch.setattr(target_module, "load_target", lambda *a, **k: target)
+    monkeypatch.setattr(loading, "load_target", lambda *a, **k: target)
     folder = write_published(tmp_path / "pub", state)
-    args = argparse.Namespace(model="tiny", dtype=None, quantize=None, device=None, heads=str(folder))
-    engine, note = cli.load_engine(args)
+    engine, note = loading.load_engine("tiny", str(folder))
     assert note == str(folder)
     torch.testing.assert_close(engine.heads.fc.weight, state["fc.weight"].half().float(), rtol=0, atol=0)
 

@@ -1,0 +1,86 @@
+"""Loading: a target model, the heads that draft for it, and the draft tree they run with.
+
+The one place every front end (command line, chat UI and its model picker, `serve`, the
+benchmark) turns "which model, which heads, which precision, which device" into an Engine.
+Heads come in two layouts, ours (heads.json + heads.safetensors) and the published
+amd/Gumiho-* one (published.py); `heads_layout` tells them apart before seconds are spent
+loading the target. The default model (no `model` given) drafts with the heads shipped in
+assets/heads/.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from .errors import GumihoError
+from .generate import Engine
+from .heads import CONFIG_FILE, WEIGHTS_FILE, GumihoHeads, HeadCheckpoint, new_heads
+from .published import PUBLISHED_CONFIG, WEIGHT_CHOICES, load_published, weights_file
+from .settings import TreeSettings
+from .target import load_target
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+SHIPPED_HEADS = PROJECT_ROOT / "assets" / "heads" / "smollm2-135m-instruct"
+
+
+def load_engine(model: str | None = None, heads: str | None = None, dtype: str = "float32",
+                quantize: str | None = None, device: str = "cpu", need_heads: bool = True,
+                warn=lambda text: print(text, file=sys.stderr)) -> tuple[Engine, str]:
+    """Target + heads. Returns (engine, heads note: "shipped", the heads path, "untrained" or "").
+
+    Without `heads`: the default model gets its shipped heads; another model gets untrained
+    heads if `need_heads` (drafting stays lossless, only slow: `warn` says so), else none.
+    """
+    if heads:
+        heads_layout(Path(heads))  # a wrong path fails before the target loads
+    target = load_target(model, dtype=dtype, quantize=quantize, device=device)
+    if heads:
+        return Engine(target, load_heads(heads, target)), str(heads)
+    if model is None and SHIPPED_HEADS.exists():
+        return Engine(target, HeadCheckpoint.load(SHIPPED_HEADS, target)), "shipped"
+    if need_heads:
+        warn("note: no trained heads for this model; drafting with untrained heads (lossless, slow)")
+        return Engine(target, new_heads(target)), "untrained"
+    return Engine(target, None), ""
+
+
+def load_heads(path, target=None, device=None, dtype=None) -> GumihoHeads:
+    """Heads from a folder in our format or in the published amd/Gumiho-* layout."""
+    folder = Path(path)
+    if heads_layout(folder) == "ours":
+        return HeadCheckpoint.load(folder, target, device, dtype)
+    return load_published(folder, target, device, dtype)
+
+
+def heads_layout(folder: Path) -> str:
+    """Which layout a heads folder holds, "ours" or "published"; a clear error for anything else."""
+    folder = Path(folder)
+    if not folder.exists():
+        raise GumihoError(f"heads not found: {folder}")
+    if not folder.is_dir():
+        raise GumihoError(f"heads must be a folder, got the file {folder}")
+    if (folder / CONFIG_FILE).is_file() or (folder / WEIGHTS_FILE).is_file():
+        return "ours"
+    if (folder / PUBLISHED_CONFIG).is_file() and weights_file(folder) is not None:
+        return "published"
+    raise GumihoError(
+        f"{folder} is not a heads checkpoint: expected {CONFIG_FILE} + {WEIGHTS_FILE} (ours) or "
+        f"{PUBLISHED_CONFIG} + {' / '.join(WEIGHT_CHOICES)} (amd/Gumiho-* layout)"
+    )
+
+
+def draft_tree_for(engine: Engine, auto: bool = False, log=None, **given) -> TreeSettings:
+    """The tree an engine answers with: the one place the default tree is decided.
+
+    The built-in defaults, or with `auto` the tree measured best on this machine for these
+    heads (tree_budget.py, cached); values the user gave (`given`, None = not given) win.
+    """
+    base = TreeSettings()
+    if auto and engine.heads is not None:
+        from .tree_budget import choose_tree, format_budget  # measures only when asked
+
+        base, report = choose_tree(engine)
+        if log:
+            log(format_budget(report))
+    return base.with_overrides(**given)
+
