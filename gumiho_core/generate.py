@@ -128,8 +128,7 @@ class Engine:
         """Stream one answer. drafter: a draft source in place of the engine's own (heads when
         settings.speculative, else plain). reuse_prefix=False reads the whole prompt afresh
         (a benchmark's runs must each pay their own prefill)."""
-        settings = settings or GenerationSettings()
-        settings.validate()
+        settings = settings or GenerationSettings()  # checked when it was built (settings.py)
         if drafter is None and settings.speculative and self.heads is None:
             raise GumihoError("speculative decoding needs draft heads, and none are loaded")
         if drafter is None:
