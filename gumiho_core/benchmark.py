@@ -7,10 +7,13 @@ template), every method in turn after a warm-up:
 - gumiho:  our engine with the heads, and the context-lookup branch (context_lookup.py);
 - gumiho-heads: the same with the lookup off, so the heads' own share is visible;
 - hf:      transformers `generate`;
-- hf-pld:  transformers assisted generation with prompt lookup (a draft-free peer).
-It reports per method the median tokens/s, speedup vs plain (ratio of medians), tau,
-acceptance per depth and peak memory, prints a paper-style table (speedup / tau per
-prompt file), and under greedy decoding checks that every method produced the same tokens.
+- hf-pld:  transformers assisted generation with prompt lookup (a draft-free peer);
+- llama.cpp: llama-cpp-python on the same GGUF file, plain decoding (peers.py; optional).
+It reports per method the median tokens/s, speedup vs plain (ratio of medians) and, with
+llama.cpp in the run, vs llama.cpp; tau, acceptance per depth and peak memory. It prints a
+paper-style table (speedup / tau per prompt file), and under greedy decoding checks that
+every method of ours produced the same tokens (llama.cpp computes with other arithmetic:
+its answers are compared with ours separately, as a share of identical answers).
 """
 from __future__ import annotations
 
@@ -25,9 +28,10 @@ import torch
 
 from .errors import GumihoError
 from .generate import Engine, run_to_end
+from .peers import METHOD as PEER, LlamaCppPeer, agreement
 from .settings import GenerationSettings, SamplingSettings, TreeSettings
 
-METHODS = ("plain", "gumiho", "gumiho-heads", "hf", "hf-pld")
+METHODS = ("plain", "gumiho", "gumiho-heads", "hf", "hf-pld", PEER)
 DEFAULT_METHODS = ("plain", "gumiho", "hf", "hf-pld")
 
 
@@ -106,7 +110,10 @@ class Run:
         return len(self.tokens) / self.seconds if self.seconds > 0 else 0.0
 
 
-def run_method(method: str, engine: Engine, prompt_ids: list[int], settings: GenerationSettings) -> Run:
+def run_method(method: str, engine: Engine, prompt_ids: list[int], settings: GenerationSettings,
+               peer: LlamaCppPeer | None = None) -> Run:
+    if method == PEER:
+        return Run(*peer.run(prompt_ids, settings, engine.target.eos_token_ids))
     if method in ("plain", "gumiho", "gumiho-heads"):
         if method == "gumiho-heads":
             settings = settings.with_(tree=replace(settings.tree, lookup_tokens=0))
@@ -146,17 +153,25 @@ def benchmark(
     settings: GenerationSettings,
     methods=DEFAULT_METHODS,
     log=print,
+    gguf: Path | None = None,
 ) -> dict:
-    """Run every method on every prompt, interleaved. Returns the JSON-able report."""
+    """Run every method on every prompt, interleaved. Returns the JSON-able report.
+
+    gguf: the file the llama.cpp method reads (peers.peer_gguf), needed when it is asked for.
+    """
     target = engine.target
     encoded = {
         name: [target.chat_prompt([{"role": "user", "content": p}]) for p in prompts]
         for name, prompts in prompt_sets.items()
     }
+    peer = None
+    if PEER in methods:
+        longest = max(len(ids) for prompts in encoded.values() for ids in prompts)
+        peer = LlamaCppPeer(gguf, torch.get_num_threads(), longest + settings.max_new_tokens + 8)
     # Warm-up: first calls pay for lazy initialisation and allocator growth.
     warm = next(iter(encoded.values()))[0]
     for method in methods:
-        run_method(method, engine, warm, settings.with_(max_new_tokens=8))
+        run_method(method, engine, warm, settings.with_(max_new_tokens=8), peer)
 
     report = {"settings": settings.to_dict(), "benchmarks": {}}
     for name, prompts in encoded.items():
@@ -166,28 +181,41 @@ def benchmark(
         for i, ids in enumerate(prompts):
             for method in methods:
                 with PeakRSS() as mem:
-                    runs[method].append(run_method(method, engine, ids, settings))
+                    runs[method].append(run_method(method, engine, ids, settings, peer))
                 peaks[method] = max(peaks[method], mem.peak, mem.gpu_peak)
             if settings.sampling.greedy:
-                reference = runs[methods[0]][-1].tokens
-                for method in methods[1:]:
-                    if runs[method][-1].tokens != reference:
-                        mismatches.append({"prompt": i, "method": method})
-                        log(f"!!! MISMATCH on {name} prompt {i}: {method} differs from {methods[0]}")
+                mismatches += _compare_outputs(runs, name, i, log)
             line = "  ".join(f"{m} {runs[m][-1].tokens_per_s:6.1f}" for m in methods)
             log(f"[{name} {i + 1}/{len(prompts)}] tok/s  {line}")
-        report["benchmarks"][name] = summarise(runs, peaks, mismatches)
+        report["benchmarks"][name] = summarise(runs, peaks, mismatches, settings.sampling.greedy)
     return report
 
 
-def summarise(runs: dict[str, list[Run]], peaks: dict, mismatches: list) -> dict:
+def _compare_outputs(runs: dict[str, list[Run]], name: str, i: int, log) -> list[dict]:
+    """Our methods' latest answers against the first method's: any difference is a mismatch.
+    (llama.cpp is not one of ours: summarise() reports its agreement instead.)"""
+    ours = [m for m in runs if m != PEER]
+    reference = runs[ours[0]][-1].tokens
+    mismatches = []
+    for method in ours[1:]:
+        if runs[method][-1].tokens != reference:
+            mismatches.append({"prompt": i, "method": method})
+            log(f"!!! MISMATCH on {name} prompt {i}: {method} differs from {ours[0]}")
+    return mismatches
+
+
+def summarise(runs: dict[str, list[Run]], peaks: dict, mismatches: list, greedy: bool = True) -> dict:
     out = {"methods": {}, "mismatches": mismatches, "prompts": len(next(iter(runs.values())))}
     plain_tps = statistics.median(r.tokens_per_s for r in runs["plain"]) if "plain" in runs else None
+    peer_tps = statistics.median(r.tokens_per_s for r in runs[PEER]) if PEER in runs else None
+    if peer_tps is not None and greedy and "plain" in runs:
+        out["llama_cpp_agreement"] = agreement([r.tokens for r in runs["plain"]], [r.tokens for r in runs[PEER]])
     for method, rs in runs.items():
         tps = statistics.median(r.tokens_per_s for r in rs)
         entry = {
             "tokens_per_s_median": tps,
             "speedup_vs_plain": tps / plain_tps if plain_tps else None,
+            "speedup_vs_llama_cpp": tps / peer_tps if peer_tps else None,
             "new_tokens": sum(len(r.tokens) for r in rs),
             "peak_memory_mb": peaks[method] / 2**20,
             # per prompt, so runs can be compared on a common subset (e.g. the first 20 of 80)
@@ -226,7 +254,8 @@ def format_table(report: dict) -> str:
             e = report["benchmarks"][n]["methods"][m]
             speedups.append(e["speedup_vs_plain"])
             tau = f" / {e['tau']:.2f}" if "tau" in e else ""
-            cells.append(f"{e['speedup_vs_plain']:.2f}x{tau} ({e['tokens_per_s_median']:.1f} tok/s)")
+            peer = f", {e['speedup_vs_llama_cpp']:.2f}x llama.cpp" if e.get("speedup_vs_llama_cpp") else ""
+            cells.append(f"{e['speedup_vs_plain']:.2f}x{tau} ({e['tokens_per_s_median']:.1f} tok/s{peer})")
         lines.append(f"| {m} | {' | '.join(cells)} | {statistics.mean(speedups):.2f}x |")
     lines.append("")
     for n in names:
@@ -248,8 +277,25 @@ def format_table(report: dict) -> str:
         lines.extend("  " + a for a in acc)
     mism = sum(len(b["mismatches"]) for b in report["benchmarks"].values())
     lines.append("")
+    lines.extend(_peer_lines(report))
     if report["settings"]["sampling"]["temperature"] > 0:  # sampled outputs differ by design
         lines.append("outputs not compared (sampling): losslessness under sampling is a distribution test")
     else:
         lines.append("outputs identical across methods" if mism == 0 else f"!!! {mism} OUTPUT MISMATCHES !!!")
     return "\n".join(lines)
+
+
+def _peer_lines(report: dict) -> list[str]:
+    """How llama.cpp's greedy answers compare with ours (its arithmetic is not our target's)."""
+    lines = []
+    for name, bench in report["benchmarks"].items():
+        agree = bench.get("llama_cpp_agreement")
+        if agree:
+            parted = sorted(f for f in agree["first_divergence"] if f is not None)
+            where = f", first divergence at new token {', '.join(map(str, parted))}" if parted else ""
+            lines.append(f"{name}: llama.cpp's answers equal ours in {agree['identical_share']:.0%} of prompts"
+                         f"{where} (other arithmetic: not a lossless check)")
+    sampled = report["settings"]["sampling"]["temperature"] > 0
+    if sampled and any(PEER in b["methods"] for b in report["benchmarks"].values()):
+        lines.append("llama.cpp sampled with the same temperature / top_p: its outputs are not compared")
+    return lines

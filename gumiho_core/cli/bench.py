@@ -10,6 +10,7 @@ import torch
 from ..benchmark import DEFAULT_METHODS, METHODS, benchmark, format_table, read_prompts
 from ..errors import GumihoError
 from ..mkl_on_amd import active as mkl_on_amd_active
+from ..peers import METHOD as PEER, peer_gguf
 from ..settings import GenerationSettings, SamplingSettings
 from ..tree_budget import choose_tree, format_budget
 from .options import add_model_args, add_tree_args, check_tree, engine_from_args, tree_from_args
@@ -37,6 +38,7 @@ def run(args) -> int:
     methods = tuple(args.methods.split(","))
     if set(methods) - set(METHODS) or "plain" not in methods:
         raise GumihoError(f"--methods must include plain and be among {', '.join(METHODS)}")
+    gguf = peer_gguf(args.model) if PEER in methods else None  # refused before a model loads
     torch.set_num_threads(args.threads or torch.get_num_threads())
     engine, heads_note = engine_from_args(args)
     mkl = "MKL AVX-512/AVX2 path on AMD (mkl_on_amd)" if mkl_on_amd_active() else "MKL default path"
@@ -47,7 +49,7 @@ def run(args) -> int:
     print(format_budget(budget))
     settings = settings.with_(tree=tree_from_args(engine, args))
     print(f"tree used: {settings.tree}")
-    report = benchmark(engine, prompt_sets, settings, methods, log=lambda s: print(s, file=sys.stderr))
+    report = benchmark(engine, prompt_sets, settings, methods, log=lambda s: print(s, file=sys.stderr), gguf=gguf)
     report.update(heads=heads_note, tree_budget=budget, target=engine.target.name, mkl_on_amd=mkl_on_amd_active())
     print(format_table(report))
     if args.json:
