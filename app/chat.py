@@ -7,7 +7,9 @@ to `gumiho_core.settings.settings_from_fields`, whose GumihoError names the bad 
 """
 from __future__ import annotations
 
+import math
 import re
+import sys
 import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -17,7 +19,7 @@ from gumiho_core import ContextTooLong, DoneEvent, GenerationSettings, GumihoErr
 from gumiho_core.settings import settings_from_fields
 
 from .render import step_from_event
-from .store import Store
+from .store import ExportFolder, Store, StoreError
 
 
 @dataclass
@@ -115,6 +117,7 @@ class Answer:
     done: bool = False
     waiting: int = 0  # requests ahead of this one in the queue (0 once it is generating)
     notice: str = ""  # e.g. which old turns were left out to fit the context
+    prompt_tokens: int = 0  # the prompt as the engine got it, after fitting
 
     def as_message(self) -> dict:
         return {"role": "assistant", "text": self.text, "steps": self.steps, "stats": self.stats,
@@ -130,6 +133,22 @@ class ChatService:
         self.model_name = model_name
         self.heads_note = heads_note
         self.queue = FairQueue()  # UI, /chat and /v1 answers, one at a time
+        # Answers in progress (generating or waiting), by their cancel events: shutdown stops them all.
+        self._running: set[threading.Event] = set()
+        self._running_lock = threading.Lock()
+        self.closing = threading.Event()
+        self.record_requests = True  # store /chat and OpenAI answers as sessions (create_app's store_api)
+        self.exports = ExportFolder()
+
+    def close(self) -> None:
+        """Shutting down: refuse new answers, stop the running one and the waiting ones.
+
+        Each stops as Stop would: its partial answer is kept (and saved by whoever saves it)."""
+        self.closing.set()
+        with self._running_lock:
+            running = list(self._running)
+        for cancel in running:
+            cancel.set()
 
     @property
     def has_heads(self) -> bool:
@@ -146,28 +165,48 @@ class ChatService:
 
         Whole turns go, oldest first; the system prompt and the latest user message always
         stay. If even those do not fit, a ContextTooLong says what to shorten.
+        Time is linear in the kept part, whatever the history's length: the turns are
+        counted newest first (each message's tokens plus the template's share) until the
+        context is full, and only a prompt that should fit is put through the template.
         """
-        limit = self.engine.target.max_context
-        need = int(max_new_tokens)
-        kept = list(history)
-        dropped = 0
+        limit, need = self.engine.target.max_context, int(max_new_tokens)
+        starts = _turn_starts(history)
+        latest = self.prompt_ids(system, history[starts[-1]:])
+        if len(latest) + need > limit:
+            raise ContextTooLong(
+                f"the message is too long for the model: {len(latest)} prompt tokens + {need} new tokens "
+                f"exceed its context of {limit} tokens. Shorten the message"
+                + (" or the system prompt" if system.strip() else "") + " or lower max new tokens."
+            )
+        cut = self._oldest_turn_that_fits(history, starts, room=limit - need - len(latest))
         while True:
-            prompt = self.prompt_ids(system, kept)
+            kept = history[starts[cut]:]
+            prompt = latest if cut == len(starts) - 1 else self.prompt_ids(system, kept)
             if len(prompt) + need <= limit:
-                return prompt, kept, dropped
-            # The last user message and what follows it (nothing, or a partial answer) stay.
-            users = [i for i, m in enumerate(kept) if m["role"] == "user"]
-            last_user = users[-1] if users else len(kept) - 1
-            if last_user <= 0:
-                raise ContextTooLong(
-                    f"the message is too long for the model: {len(prompt)} prompt tokens + {need} new tokens "
-                    f"exceed its context of {limit} tokens. Shorten the message"
-                    + (" or the system prompt" if system.strip() else "") + " or lower max new tokens."
-                )
-            # Drop the oldest turn: a user message and the answers up to the next user message.
-            cut = next((i for i in users if i > 0), last_user)
-            dropped += 1
-            kept = kept[cut:]
+                return prompt, kept, cut
+            cut += 1  # the count was a few tokens short: one more turn goes (the latest alone fits)
+
+    def _oldest_turn_that_fits(self, history: list[dict], starts: list[int], room: int) -> int:
+        """Index into `starts` of the oldest turn that, with all later ones, fits in `room` tokens."""
+        share = self._template_share()
+        cut = len(starts) - 1
+        for turn in range(len(starts) - 2, -1, -1):
+            messages = history[starts[turn]:starts[turn + 1]]
+            room -= sum(len(self.engine.target.encode(m["text"])) + share for m in messages)
+            if room < 0:
+                break
+            cut = turn
+        return cut
+
+    def _template_share(self) -> int:
+        """Tokens the chat template adds around one message (role markers, separators), measured once."""
+        target = self.engine.target
+        if getattr(self, "_share", (None, 0))[0] is not target:
+            one = [{"role": "user", "text": "hello"}]
+            three = one + [{"role": "assistant", "text": "hello"}, {"role": "user", "text": "hello"}]
+            extra = len(self.prompt_ids("", three)) - len(self.prompt_ids("", one)) - 2 * len(target.encode("hello"))
+            self._share = (target, max(0, math.ceil(extra / 2)))
+        return self._share[1]
 
     def load_model(self, model: str | None = None, heads: str | None = None) -> None:
         """Answer with `model` (a folder or .gguf; empty = the default) and `heads` from now on.
@@ -211,13 +250,19 @@ class ChatService:
         """
         answer = Answer()
         ticket = None
+        cancel = cancel or threading.Event()
+        with self._running_lock:
+            self._running.add(cancel)
         try:
             settings = settings or options.settings(self.tree)
             if settings.speculative and not self.has_heads:
                 raise GumihoError("speculative decoding needs draft heads, and none are loaded")
+            if self.closing.is_set():
+                raise GumihoError("the server is shutting down; send again once it is back")
             ticket = self.queue.join()
             yield from self._wait_for_turn(ticket, answer, cancel, wait_timeout)
             prompt, kept, dropped = self.fit(options.system, history, settings.max_new_tokens)
+            answer.prompt_tokens = len(prompt)
             if dropped:
                 total = len([m for m in history if m["role"] == "user"])
                 which = "turn 1" if dropped == 1 else f"turns 1–{dropped}"
@@ -239,12 +284,14 @@ class ChatService:
         except Exception as exc:  # the app must survive a failing generation
             answer.error, answer.finish_reason = _one_line(f"generation failed: {type(exc).__name__}: {exc}"), "error"
         finally:
+            with self._running_lock:
+                self._running.discard(cancel)
             if ticket is not None:
                 self.queue.leave(ticket)
         answer.done = True
         yield answer
 
-    def _wait_for_turn(self, ticket: int, answer: Answer, cancel: threading.Event | None,
+    def _wait_for_turn(self, ticket: int, answer: Answer, cancel: threading.Event,
                        wait_timeout: float) -> Iterator[Answer]:
         """Wait until `ticket` is first in line, yielding `answer` whenever the number ahead changes.
 
@@ -253,7 +300,9 @@ class ChatService:
         waited = 0.0
         while not self.queue.wait(ticket, timeout=0.25):
             waited += 0.25
-            if cancel is not None and cancel.is_set():
+            if self.closing.is_set():
+                raise GumihoError("the server is shutting down; send again once it is back")
+            if cancel.is_set():
                 answer.waiting, answer.finish_reason = 0, "cancelled"
                 raise _Cancelled
             if waited >= wait_timeout:
@@ -274,12 +323,41 @@ class ChatService:
             self.store.add_stats(session_id, message_id, answer.stats, answer.finish_reason or "", model=self.model_name)
         return message_id
 
+    def record(self, source: str, history: list[dict], options: Options, answer: Answer) -> str | None:
+        """Store a /chat or OpenAI request and its answer as a session of its own, marked by `source`.
+
+        One transaction: the whole exchange is stored or none of it. Returns None, or what
+        went wrong in words (the answer still reaches its client; the server log says it).
+        """
+        if self.store is None or not self.record_requests or not answer.steps:
+            return None
+        title = next((m["text"] for m in reversed(history) if m["role"] == "user"), "")
+        try:
+            with self.store.writing():
+                session_id = self.store.create_session(" ".join(title.split())[:48] or "API request",
+                                                       model=self.model_name, heads=self.heads_note,
+                                                       settings=options.__dict__, source=source)
+                for message in history:
+                    self.store.add_message(session_id, message["role"], message["text"])
+                self.save_answer(session_id, answer, options.speculative)
+        except StoreError as exc:
+            problem = f"{exc}: a {source} answer was not saved"
+            print(f"warning: {problem}", file=sys.stderr)
+            return problem
+        return None
+
     def compare(self, history: list[dict], options: Options) -> tuple[Answer, Answer]:
         """The same prompt, greedy, speculation off then on. Returns (plain, gumiho)."""
         greedy = Options(system=options.system, temperature=0.0, top_p=1.0, max_new_tokens=options.max_new_tokens)
         plain = self.answer(history, Options(**{**greedy.__dict__, "speculative": False}))
         gumiho = self.answer(history, Options(**{**greedy.__dict__, "speculative": True}))
         return plain, gumiho
+
+
+def _turn_starts(history: list[dict]) -> list[int]:
+    """Where each turn begins: at 0, and at every later user message (a turn is a user message
+    and the answers up to the next one); the last start is the latest user message."""
+    return [0] + [i for i, m in enumerate(history) if m["role"] == "user" and i > 0]
 
 
 class _Cancelled(Exception):

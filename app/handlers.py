@@ -10,10 +10,9 @@ in the database carries its row "id".
 """
 from __future__ import annotations
 
-import tempfile
+import functools
 import threading
 from dataclasses import replace
-from pathlib import Path
 
 import gradio as gr
 
@@ -21,7 +20,7 @@ from gumiho_core import GenerationSettings, GumihoError
 
 from . import render
 from .chat import Answer, ChatService, Options, clean_text
-from .store import export_path
+from .store import StoreError, StoreWriteError, export_path
 
 # Stop buttons find the running generation by the browser session's hash.
 _cancels: dict[str, threading.Event] = {}
@@ -35,7 +34,21 @@ def new_state() -> dict:
 def session_choices(service: ChatService) -> list[tuple[str, int]]:
     if service.store is None:
         return []
-    return [(f"{s['title']}  ·  {s['created'][:16].replace('T', ' ')}", s["id"]) for s in service.store.sessions()]
+    return [(f"{s['title']}  ·  {s['created'][:16].replace('T', ' ')}"
+             + ("" if s.get("source", "ui") == "ui" else f"  ·  via {s['source']}"), s["id"])
+            for s in service.store.sessions()]
+
+
+def in_words(handler):
+    """A handler whose database failure (full, locked) is a message in words, not Gradio's bare "Error"."""
+    @functools.wraps(handler)
+    def wrapped(*args, **kwargs):
+        try:
+            return handler(*args, **kwargs)
+        except StoreError as exc:
+            raise gr.Error(f"{exc}: nothing was changed.") from None
+
+    return wrapped
 
 
 def sessions_update(service: ChatService, selected) -> dict:
@@ -92,12 +105,26 @@ def drop_last_answer(service: ChatService, st: dict) -> None:
             service.store.delete_messages([dropped["id"]])
 
 
-def keep_answer(service: ChatService, st: dict, answer: Answer, speculative: bool) -> None:
-    """Add a finished (or partial) answer to the chat and, in a session, to the database."""
+def keep_answer(service: ChatService, st: dict, answer: Answer, speculative: bool) -> str:
+    """Add a finished (or partial) answer to the chat and, in a session, to the database.
+
+    Returns "" or, when the database refused it, what happened in words; the answer is
+    then still shown, marked "not saved", never as if it were kept.
+    """
     message = answer.as_message()
+    problem = ""
     if service.store is not None and st["session_id"] is not None:
-        message["id"] = service.save_answer(st["session_id"], answer, speculative)
+        try:
+            message["id"] = service.save_answer(st["session_id"], answer, speculative)
+        except StoreWriteError as exc:
+            problem, message["unsaved"] = f"{exc}: this answer was not saved.", True
     st["messages"].append(message)
+    return problem
+
+
+def not_stored(exc: StoreError) -> str:
+    """The status line when the user's message could not be stored (it stays in the box)."""
+    return f"**{render.esc(str(exc))}: your message was not sent; it is still in the box.**"
 
 
 def stream_answer(service: ChatService, st: dict, opts: Options, settings: GenerationSettings, view_name, rej,
@@ -106,6 +133,7 @@ def stream_answer(service: ChatService, st: dict, opts: Options, settings: Gener
     key = request.session_hash if request else "default"
     cancel = _cancels[key] = threading.Event()
     answer = Answer()
+    problem = ""
     try:
         for answer in service.stream(st["messages"], opts, cancel=cancel, settings=settings):
             # The input box is left alone (gr.skip()): what the user types while an
@@ -120,10 +148,12 @@ def stream_answer(service: ChatService, st: dict, opts: Options, settings: Gener
         # Also reached when the browser goes away mid-answer: the partial text is kept.
         _cancels.pop(key, None)
         if answer.steps or answer.error:
-            keep_answer(service, st, answer, settings.speculative)
+            problem = keep_answer(service, st, answer, settings.speculative)
     note = f"**{render.esc(answer.error)}**" if answer.error else ""
-    if answer.error and answer.steps:
+    if answer.error and answer.steps and not problem:
         note += " The partial answer was saved."
+    if problem:
+        note = f"{note} **{render.esc(problem)}**".strip()
     if answer.notice:
         note = f"{note} {render.esc(answer.notice)}".strip()
     yield (render.chat_html(st["messages"], view_name, rej), st, gr.skip(), note,
@@ -143,8 +173,12 @@ def send(service: ChatService, text, st, spec_on, system_text, temp, p, n, view_
     except GumihoError as exc:  # nothing stored; the message stays in the box
         yield gr.skip(), st, gr.skip(), settings_problem(exc), gr.skip()
         return
-    ensure_session(service, st, text, opts)
-    add_user(service, st, text)
+    try:
+        ensure_session(service, st, text, opts)
+        add_user(service, st, text)
+    except StoreError as exc:  # disk full, database locked: nothing is sent, the text stays in the box
+        yield gr.skip(), st, gr.skip(), not_stored(exc), gr.skip()
+        return
     # The message is taken: empty the box once, now, and show it in the chat.
     yield render.chat_html(st["messages"], view_name, rej), st, "", "*generating…*", gr.skip()
     yield from stream_answer(service, st, opts, settings, view_name, rej, request)
@@ -160,8 +194,12 @@ def regenerate(service: ChatService, text, st, spec_on, system_text, temp, p, n,
     except GumihoError as exc:
         yield gr.skip(), st, gr.skip(), settings_problem(exc), gr.skip()
         return
-    drop_last_answer(service, st)
-    ensure_session(service, st, st["messages"][-1]["text"], opts)
+    try:
+        drop_last_answer(service, st)
+        ensure_session(service, st, st["messages"][-1]["text"], opts)
+    except StoreError as exc:
+        yield gr.skip(), st, gr.skip(), f"**{render.esc(str(exc))}: nothing was regenerated.**", gr.skip()
+        return
     yield from stream_answer(service, st, opts, settings, view_name, rej, request)
 
 
@@ -172,6 +210,7 @@ def stop(request: gr.Request | None):
     return "*stopping…*"
 
 
+@in_words
 def edit_last(service: ChatService, st, view_name, rej):
     """Take the last user message (and its answer) out, back into the input box."""
     users = [i for i, m in enumerate(st["messages"]) if m["role"] == "user"]
@@ -179,9 +218,9 @@ def edit_last(service: ChatService, st, view_name, rej):
         return gr.skip(), st, gr.skip(), "No message to edit."
     cut = users[-1]
     removed = st["messages"][cut:]
-    st["messages"] = st["messages"][:cut]
-    if service.store:
+    if service.store:  # first: if the database refuses, the chat stays as it is
         service.store.delete_messages([m["id"] for m in removed if m.get("id")])
+    st["messages"] = st["messages"][:cut]
     return (render.chat_html(st["messages"], view_name, rej), st, removed[0]["text"],
             "Edit the message and press Send.")
 
@@ -206,23 +245,30 @@ def compare(service: ChatService, text, st, system_text, n, view_name, rej):
     if not service.has_heads:
         yield gr.skip(), st, gr.skip(), "**Compare needs draft heads.**", gr.skip(), ""
         return
-    if text:
-        ensure_session(service, st, text, opts)
-        add_user(service, st, text)
-    else:
-        drop_last_answer(service, st)
+    try:
+        if text:
+            ensure_session(service, st, text, opts)
+            add_user(service, st, text)
+        else:
+            drop_last_answer(service, st)
+    except StoreError as exc:
+        yield gr.skip(), st, gr.skip(), not_stored(exc), gr.skip(), ""
+        return
     if not st["messages"]:
         yield gr.skip(), st, gr.skip(), "Type a prompt to compare.", gr.skip(), ""
         return
     yield (render.chat_html(st["messages"], view_name, rej), st, "", "*comparing: plain, then Gumiho…*",
            gr.skip(), "")
     plain, gumiho = service.compare(st["messages"], opts)
-    if st["session_id"] is not None and service.store is not None and plain.stats:
-        service.store.add_stats(st["session_id"], None, plain.stats, plain.finish_reason or "",
-                                model=service.model_name)
-    keep_answer(service, st, gumiho, True)
-    yield (render.chat_html(st["messages"], view_name, rej), st, "", "", sessions_update(service, st["session_id"]),
-           render.compare_html(plain, gumiho))
+    problem = keep_answer(service, st, gumiho, True)
+    if st["session_id"] is not None and service.store is not None and plain.stats and not problem:
+        try:
+            service.store.add_stats(st["session_id"], None, plain.stats, plain.finish_reason or "",
+                                    model=service.model_name)
+        except StoreWriteError as exc:
+            problem = f"{exc}: the plain run's stats were not saved."
+    yield (render.chat_html(st["messages"], view_name, rej), st, "", f"**{render.esc(problem)}**" if problem else "",
+           sessions_update(service, st["session_id"]), render.compare_html(plain, gumiho))
 
 
 def load_model(service: ChatService, path, heads):
@@ -256,6 +302,7 @@ def open_session(service: ChatService, session_id, view_name, rej):
     return render.chat_html(st["messages"], view_name, rej), st, "", system_text
 
 
+@in_words
 def rename(service: ChatService, session_id, title, st):
     title = clean_text(title).replace("\n", " ").replace("\t", " ").strip()
     if session_id is None or not title:
@@ -264,6 +311,7 @@ def rename(service: ChatService, session_id, title, st):
     return sessions_update(service, session_id), "Renamed."
 
 
+@in_words
 def delete(service: ChatService, session_id, st, view_name, rej):
     if session_id is None:
         return gr.skip(), st, gr.skip(), "Pick a session to delete."
@@ -281,8 +329,7 @@ def export(service: ChatService, session_id, kind: str) -> str | None:
     if row is None:
         return None
     text = service.store.export_json(row["id"]) if kind == "json" else service.store.export_markdown(row["id"])
-    folder = Path(tempfile.mkdtemp(prefix="gumiho-export-"))
-    path = export_path(folder, row["title"], "json" if kind == "json" else "md")
+    path = export_path(service.exports.new(), row["title"], "json" if kind == "json" else "md")
     path.write_text(text, encoding="utf-8")
     return str(path)
 
@@ -306,11 +353,13 @@ def stats_outputs(service: ChatService):
 # -- the /chat API (gradio_client) ----------------------------------------------------------------
 def chat_api(service: ChatService, message: str, system: str = "", speculative: bool = True,
              max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0) -> dict:
-    """One answer to `message`: {"text", "finish_reason", "stats", "error"}."""
+    """One answer to `message`: {"text", "finish_reason", "stats", "error"}; stored as a session marked "/chat"."""
     message = clean_text(message).strip()
     if not message:
         return {"text": "", "finish_reason": "error", "stats": None, "error": "the message is empty"}
     opts = Options(system=clean_text(system), speculative=speculative, temperature=temperature, top_p=top_p,
                    max_new_tokens=max_new_tokens)
-    answer = service.answer([{"role": "user", "text": message}], opts)
+    history = [{"role": "user", "text": message}]
+    answer = service.answer(history, opts)
+    service.record("/chat", history, opts, answer)
     return {"text": answer.text, "finish_reason": answer.finish_reason, "stats": answer.stats, "error": answer.error}

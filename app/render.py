@@ -322,6 +322,8 @@ def message_html(message: dict, view: str = "colours") -> str:
         note = f'<div class="note">({"stopped" if message["finish_reason"] == "cancelled" else "failed"}: partial answer)</div>'
     if message.get("error"):
         note += f'<div class="error">{esc(message["error"])}</div>'
+    if message.get("unsaved"):  # the database refused it: shown, never as if it were kept
+        note += '<div class="error unsaved">not saved: the database refused this answer</div>'
     stats = stats_html(message.get("stats"), message.get("finish_reason")) if role == "assistant" else ""
     return f'<div class="msg {esc(role)}"><div class="who">{esc(role)}</div>{body}{note}{stats}</div>'
 

@@ -12,13 +12,17 @@ All SQL takes its values as parameters; writes happen inside transactions.
 """
 from __future__ import annotations
 
+import atexit
 import html
 import json
 import os
 import re
+import shutil
 import sqlite3
 import sys
+import tempfile
 import threading
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -29,6 +33,20 @@ from gumiho_core import GumihoError
 
 class StoreError(GumihoError):
     """The chat database cannot be used (corrupt, locked, too new); one line, file untouched."""
+
+
+class StoreWriteError(StoreError):
+    """A write failed (disk full, database locked, read-only): nothing of it was stored.
+
+    The message says what happened in words ("the database is full ..."), so a front end
+    can add what was lost ("this answer was not saved") and show it as it is.
+    """
+
+
+# Below this much free space on the database's disk, starting the app warns: the next
+# answers may not fit, and a user should hear that before typing, not after.
+LOW_SPACE_BYTES = 32 * 1024 * 1024
+SIDECARS = ("-wal", "-shm", "-journal")
 
 
 def default_db_path() -> Path:
@@ -77,7 +95,12 @@ def _v2(db: sqlite_utils.Database) -> None:
     db["answer_stats"].add_column("model", str)
 
 
-MIGRATIONS = [_v1, _v2]
+def _v3(db: sqlite_utils.Database) -> None:
+    # Answers to /chat and the OpenAI route are stored too; the sidebar says where each came from.
+    db["sessions"].add_column("source", str, not_null_default="ui")
+
+
+MIGRATIONS = [_v1, _v2, _v3]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
@@ -87,11 +110,28 @@ class Store:
     def __init__(self, path: str | Path, timeout: float = 5.0):
         self.path = Path(path).expanduser()
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.notes: list[str] = []  # what `serve` and the UI tell the user at startup
+        present = {suffix for suffix in SIDECARS if Path(f"{self.path}{suffix}").exists()}
+        try:
+            self._open(timeout)
+        except StoreError:
+            # SQLite creates -wal / -shm beside a WAL-mode file it reads; a refused file
+            # must be left exactly as it was found, so only the ones it did not have go.
+            for suffix in set(SIDECARS) - present:
+                Path(f"{self.path}{suffix}").unlink(missing_ok=True)
+            raise
+        self._check_space()
+
+    def _open(self, timeout: float) -> None:
         # An existing file is checked read-only first: a corrupt one is reported, never rewritten.
-        if self.path.exists():
+        # An empty (0-byte) file is what SQLite itself calls a new database: used as one, and said.
+        if self.path.exists() and self.path.stat().st_size == 0:
+            self.notes.append(f"note: {self.path} was empty (0 bytes); it is used as a new chat database")
+        elif self.path.exists():
             self._check_readable(timeout)
         # Gradio and uvicorn call us from worker threads; one connection guarded by a lock
         # is simpler than a pool and plenty for one local user.
+        conn = None
         try:
             conn = sqlite3.connect(str(self.path), check_same_thread=False, timeout=timeout)
             self.db = sqlite_utils.Database(conn)
@@ -103,11 +143,43 @@ class Store:
             self.db.execute("PRAGMA synchronous=FULL")  # a committed message survives a killed process
             self.db.execute("PRAGMA foreign_keys=ON")
             self.migrate()
-        except sqlite3.OperationalError as exc:
-            raise StoreError(self._explain(exc)) from None
-        except sqlite3.DatabaseError as exc:
+        except sqlite3.DatabaseError as exc:  # OperationalError (locked, unreadable) is one kind of it
+            if conn is not None:
+                conn.close()
+            if isinstance(exc, sqlite3.OperationalError):
+                raise StoreError(self._explain(exc)) from None
             raise StoreError(f"{self.path} is not a usable chat database ({exc}); it was left untouched. "
                              "Move it away or pass --db another file.") from None
+
+    def _check_space(self) -> None:
+        free = shutil.disk_usage(self.path.parent).free
+        if free < LOW_SPACE_BYTES:
+            self.notes.append(f"warning: the disk holding {self.path} has only {free / 2**20:.1f} MB free: "
+                              "new messages may not be saved")
+
+    @contextmanager
+    def writing(self):
+        """One write transaction (nested ones are savepoints inside it).
+
+        A failed write is rolled back whole and raised as a StoreWriteError that says what
+        happened in words; callers never see a half-stored answer.
+        """
+        with self.lock:
+            try:
+                with self.db.atomic():
+                    yield self.db
+            except sqlite3.Error as exc:
+                raise StoreWriteError(self._write_problem(exc)) from None
+
+    def _write_problem(self, exc: sqlite3.Error) -> str:
+        text = str(exc)
+        if "full" in text:
+            return f"the database is full (no space left on the disk holding {self.path})"
+        if "locked" in text or "busy" in text:
+            return f"the database is locked by another program ({self.path})"
+        if "readonly" in text or "read-only" in text:
+            return f"the database is read-only ({self.path})"
+        return f"the database could not be written ({self.path}: {text})"
 
     def _explain(self, exc: Exception) -> str:
         if "locked" in str(exc) or "busy" in str(exc):
@@ -154,10 +226,12 @@ class Store:
                     self.db.execute(f"PRAGMA user_version = {int(step + 1)}")
 
     # -- sessions -------------------------------------------------------------------------
-    def create_session(self, title: str, model: str = "", heads: str = "", settings: dict | None = None) -> int:
-        with self.lock, self.db.atomic():
+    def create_session(self, title: str, model: str = "", heads: str = "", settings: dict | None = None,
+                       source: str = "ui") -> int:
+        """A new conversation; `source` says where it came from: "ui", "/chat" or "openai"."""
+        with self.writing():
             row = {"title": title, "created": now(), "updated": now(), "model": model, "heads": heads,
-                   "settings": json.dumps(settings or {})}
+                   "settings": json.dumps(settings or {}), "source": source}
             return self.db["sessions"].insert(row).last_pk
 
     def sessions(self) -> list[dict]:
@@ -175,17 +249,17 @@ class Store:
         return row
 
     def rename_session(self, session_id: int, title: str) -> None:
-        with self.lock, self.db.atomic():
+        with self.writing():
             self.db["sessions"].update(session_id, {"title": title, "updated": now()})
 
     def update_session(self, session_id: int, **fields) -> None:
         if "settings" in fields:
             fields["settings"] = json.dumps(fields["settings"])
-        with self.lock, self.db.atomic():
+        with self.writing():
             self.db["sessions"].update(session_id, {**fields, "updated": now()})
 
     def delete_session(self, session_id: int) -> None:
-        with self.lock, self.db.atomic():
+        with self.writing():
             self.db.execute("DELETE FROM answer_stats WHERE session_id = ?", [session_id])
             self.db.execute("DELETE FROM messages WHERE session_id = ?", [session_id])
             self.db.execute("DELETE FROM sessions WHERE id = ?", [session_id])
@@ -193,7 +267,7 @@ class Store:
     # -- messages -----------------------------------------------------------------------
     def add_message(self, session_id: int, role: str, text: str, steps: list | None = None,
                     speculative: bool | None = None, finish_reason: str | None = None) -> int:
-        with self.lock, self.db.atomic():
+        with self.writing():
             position = self.db.execute(
                 "SELECT COALESCE(MAX(position), -1) + 1 FROM messages WHERE session_id = ?", [session_id]
             ).fetchone()[0]
@@ -215,7 +289,7 @@ class Store:
 
     def delete_messages(self, message_ids: list[int]) -> None:
         """Drop turns (edit / regenerate replace them) with their stats."""
-        with self.lock, self.db.atomic():
+        with self.writing():
             for message_id in message_ids:
                 self.db.execute("DELETE FROM answer_stats WHERE message_id = ?", [message_id])
                 self.db.execute("DELETE FROM messages WHERE id = ?", [message_id])
@@ -224,7 +298,7 @@ class Store:
     def add_stats(self, session_id: int, message_id: int | None, stats: dict, finish_reason: str,
                   model: str = "") -> int:
         """`stats` is GenerationStats.to_dict()."""
-        with self.lock, self.db.atomic():
+        with self.writing():
             row = {
                 "session_id": session_id, "message_id": message_id, "speculative": int(stats["speculative"]),
                 "new_tokens": stats["new_tokens"], "forward_passes": stats["forward_passes"],
@@ -315,3 +389,32 @@ def export_path(folder: str | Path, title: str, ext: str) -> Path:
     if path.parent != folder:  # cannot happen with safe_filename; checked anyway
         raise ValueError(f"export path {path} is outside {folder}")
     return path
+
+
+class ExportFolder:
+    """Where exports are written: one temporary folder per app, a fresh subfolder per export.
+
+    Gradio copies a returned file into its own cache, so only the newest `keep` exports
+    are kept here, and the folder goes when the app stops (or the process exits).
+    """
+
+    def __init__(self, keep: int = 8):
+        self.keep = keep
+        self.root: Path | None = None
+        self._lock = threading.Lock()
+
+    def new(self) -> Path:
+        with self._lock:
+            if self.root is None or not self.root.exists():
+                self.root = Path(tempfile.mkdtemp(prefix="gumiho-export-"))
+                atexit.register(shutil.rmtree, self.root, ignore_errors=True)
+            folders = sorted(self.root.iterdir(), key=lambda p: p.stat().st_mtime)
+            for old in folders[: max(0, len(folders) - self.keep + 1)]:
+                shutil.rmtree(old, ignore_errors=True)
+            return Path(tempfile.mkdtemp(dir=self.root))
+
+    def remove(self) -> None:
+        with self._lock:
+            if self.root is not None:
+                shutil.rmtree(self.root, ignore_errors=True)
+                self.root = None

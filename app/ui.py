@@ -81,7 +81,9 @@ def _chat_tab(service: ChatService) -> SimpleNamespace:
     with gr.Tab("Chat"):
         gr.HTML(render.legend_html(), js_on_load=None)
         chat = SimpleNamespace(log=gr.HTML(render.chat_html([]), elem_id="chat", js_on_load=None))
-        chat.status = gr.Markdown("", elem_id="status")
+        # A startup warning (nearly full disk, an empty database file taken as new) shows until the first answer.
+        notes = service.store.notes if service.store is not None else []
+        chat.status = gr.Markdown(" ".join(render.esc(n) for n in notes), elem_id="status")
         chat.compare_box = gr.HTML("", elem_id="compare", js_on_load=None)
         with gr.Row():
             chat.msg = gr.Textbox(placeholder="Message (Enter to send)", show_label=False, scale=6, elem_id="msg",

@@ -2,9 +2,10 @@
 import json
 import sqlite3
 
+import pytest
 import sqlite_utils
 
-from app.store import SCHEMA_VERSION, Store, _v1
+from app.store import SCHEMA_VERSION, Store, StoreWriteError, _v1
 
 STATS = {"speculative": True, "new_tokens": 5, "forward_passes": 3, "tau": 5 / 3, "tokens_per_s": 12.5,
          "ttft_s": 0.1, "acceptance_per_depth": [0.8, 0.5], "tree": {"top_k": 4}}
@@ -96,9 +97,7 @@ def test_a_failed_write_leaves_nothing_behind(tmp_path, monkeypatch):
         return real(sql, *args)
 
     monkeypatch.setattr(store.db, "execute", fail_on_messages)
-    try:
+    with pytest.raises(StoreWriteError, match="could not be written"):
         store.delete_session(sid)
-    except sqlite3.OperationalError:
-        pass
     monkeypatch.undo()
     assert len(store.stats(sid)) == 1 and len(store.messages(sid)) == 1  # the stats delete was rolled back
