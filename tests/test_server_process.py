@@ -3,7 +3,9 @@
 20 requests, 4 at once, to the OpenAI route; each answer must equal the single-user
 (greedy) answer to the same request, i.e. no tokens or caches are shared between clients.
 """
+import http.client
 import json
+import signal
 import socket
 import subprocess
 import sys
@@ -71,11 +73,11 @@ def default_server(tmp_path_factory):
     yield from start([], tmp_path_factory.mktemp("default-model"))
 
 
-def ask(base: str, prompt: str, speculative: bool = True, max_tokens: int = MAX_TOKENS) -> dict:
+def ask(base: str, prompt: str, speculative: bool = True, max_tokens: int = MAX_TOKENS, timeout: float = 60) -> dict:
     body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "speculative": speculative}
     req = urllib.request.Request(f"{base}/v1/chat/completions", data=json.dumps(body).encode(),
                                  headers={"content-type": "application/json"})
-    with urllib.request.urlopen(req, timeout=60) as r:
+    with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read())
 
 
@@ -116,3 +118,90 @@ def test_load_20_requests_4_at_once_equal_single_user_answers(server):
 def test_load_on_the_default_model(default_server):
     base, proc = default_server
     load(base, proc, ["Say hi.", "Name a colour.", "What is 2+2?", "One word: sky?"], 8, 300)
+
+
+# -- issue 19: a client that goes away, and a shutdown, never hold the others -----------------------
+@pytest.fixture
+def slow_server(tmp_path):
+    """tests/serve_tiny.py: a tiny model that sleeps 0.2 s after each step, so requests overlap."""
+    port = free_port()
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "tests/serve_tiny.py", "--port", str(port), "--db", str(tmp_path / "chat.db"),
+                             "--slow", "0.2"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/v1/models", 300, proc)
+        yield port, proc, tmp_path / "chat.db"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=20)
+        log.close()
+
+
+def open_stream(port: int, data_lines: int, max_tokens: int = 400, path: str = "/v1/chat/completions"):
+    """A connection mid-stream: the request sent and `data_lines` server-sent events read."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    body = {"messages": [{"role": "user", "content": "w5 w6"}], "max_tokens": max_tokens, "stream": True}
+    conn.request("POST", path, body=json.dumps(body), headers={"content-type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200
+    seen = 0
+    while seen < data_lines:
+        seen += response.readline().startswith(b"data: ")
+    return conn, response
+
+
+def timed_answer(port: int, timeout: float) -> float:
+    t0 = time.time()
+    ask(f"http://127.0.0.1:{port}", "w9 w10", max_tokens=4, timeout=timeout)
+    return time.time() - t0
+
+
+def test_a_dropped_client_releases_the_engine_at_once(slow_server):
+    port, proc, _ = slow_server
+    # A stream that is generating, and one waiting behind it, both dropped by their clients.
+    generating, _ = open_stream(port, data_lines=3)
+    waiting, _ = open_stream(port, data_lines=1)  # only the role chunk: it is in the queue
+    generating.sock.shutdown(socket.SHUT_RDWR)
+    generating.close()
+    waiting.close()
+    assert timed_answer(port, timeout=10) < 10
+    # A client of a plain (non-streaming) request that hangs up mid-answer releases it too.
+    plain = socket.create_connection(("127.0.0.1", port))
+    body = json.dumps({"messages": [{"role": "user", "content": "w7"}], "max_tokens": 400}).encode()
+    plain.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    time.sleep(1.5)  # generating by now
+    plain.close()
+    assert timed_answer(port, timeout=10) < 10
+    assert proc.poll() is None
+
+
+def test_sigterm_with_a_stream_a_queued_request_and_an_open_tab_stops_within_5_s(slow_server):
+    port, proc, db = slow_server
+    tab = http.client.HTTPConnection("127.0.0.1", port, timeout=60)  # what an idle browser tab keeps open
+    tab.request("GET", "/gradio_api/heartbeat/a-tab")
+    assert tab.getresponse().status == 200
+    stream, response = open_stream(port, data_lines=4)
+    queued = ThreadPoolExecutor(1).submit(lambda: urllib.request.urlopen(urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions", headers={"content-type": "application/json"},
+        data=json.dumps({"messages": [{"role": "user", "content": "w8"}], "max_tokens": 5}).encode()), timeout=30))
+    time.sleep(1.0)  # the second request is waiting in the queue
+    t0 = time.time()
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+    elapsed = time.time() - t0
+    print(f"\nSIGTERM with a stream, a queued request and a tab open: exited in {elapsed:.1f} s")
+    assert elapsed < 5
+    rest = response.read().decode()  # the stream was told, and ended properly
+    assert "shutting down" in rest and rest.rstrip().endswith("data: [DONE]")
+    with pytest.raises(urllib.error.HTTPError) as info:
+        queued.result(timeout=10)
+    assert info.value.code == 503
+    from app.store import Store
+
+    store = Store(db)
+    [session] = [s for s in store.sessions() if s["source"] == "openai"]
+    user, answer = store.messages(session["id"])
+    assert user["text"] == "w5 w6" and answer["text"] and answer["finish_reason"] == "cancelled"
+    store.close()
