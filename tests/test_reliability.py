@@ -477,3 +477,191 @@ def test_serve_with_a_broken_model_is_one_line(tmp_path, capsys):
         assert main(["serve", "--model", model, "--db", str(tmp_path / "c.db")]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert err[-1].startswith("error: ") and "Traceback" not in "\n".join(err), err
+
+
+# -- issue 19: storage failures are said in words, nothing shown as saved that is not --------------
+def fill_up(store: Store) -> None:
+    """A real SQLITE_FULL from now on for anything that needs a new page: the database's
+    size is capped at what it has (small rows still fit in the free room of its pages)."""
+    pages = store.db.execute("PRAGMA page_count").fetchone()[0]
+    store.db.execute(f"PRAGMA max_page_count = {int(pages)}")
+
+
+def test_a_full_disk_keeps_the_message_and_says_the_answer_was_not_saved(engine, tmp_path):
+    small = ChatService(engine, Store(tmp_path / "full.db"))
+    st = handlers.new_state()
+    send(small, st, "w5 w6")  # a session with one saved exchange
+    fill_up(small.store)
+    long_message = " ".join(["w7"] * 3000)  # does not fit in what is left: the user's own text is refused
+    out = send(small, st, long_message)
+    assert "the database is full" in status_of(out) and "still in the box" in status_of(out)
+    assert out[2] is not None and out[2] != "" and len(st["messages"]) == 2  # the box keeps the text (gr.skip)
+    # The user message fits, the answer (with its token steps) does not: it is shown, marked, and said.
+    out = send(small, st, "w8", n=150)
+    assert "the database is full" in status_of(out) and "this answer was not saved" in status_of(out)
+    assert "saved." not in status_of(out).replace("not saved.", "")
+    assert st["messages"][-1]["unsaved"] and "not saved" in out[0]
+    stored = small.store.messages(st["session_id"])
+    assert [m["text"] for m in stored] == ["w5 w6", stored[1]["text"], "w8"]  # no answer row for w8
+
+
+def test_a_database_locked_mid_session_is_said_and_the_next_message_works(engine, tmp_path):
+    path = tmp_path / "locked.db"
+    small = ChatService(engine, Store(path, timeout=0.3))
+    st = handlers.new_state()
+    outputs = handlers.send(small, "w5 w6", st, **SETTINGS)
+    next(outputs)  # the user message is stored, the answer is being generated ...
+    other = sqlite3.connect(path, isolation_level=None)
+    other.execute("BEGIN EXCLUSIVE")  # ... when another program locks the file
+    try:
+        out = last(outputs)
+        assert "the database is locked by another program" in status_of(out)
+        assert "this answer was not saved" in status_of(out) and st["messages"][-1]["unsaved"]
+        for handler, args in ((handlers.rename, (st["session_id"], "new title", st)),
+                              (handlers.delete, (st["session_id"], st, "colours", False)),
+                              (handlers.edit_last, (st, "colours", False))):
+            with pytest.raises(Exception, match="the database is locked") as info:
+                handler(small, *args)
+            assert type(info.value).__name__ == "Error"  # gr.Error: Gradio shows its words, not "Error"
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+    out = send(small, st, "w9")
+    assert status_of(out) == "" and st["messages"][-1].get("id")
+    rows = small.store.messages(st["session_id"])  # the unsaved answer is the one thing missing
+    assert [(m["role"], m["text"]) for m in rows[:2]] == [("user", "w5 w6"), ("user", "w9")]
+    assert len(rows) == 3 and rows[2]["role"] == "assistant" and rows[2]["finish_reason"] == "length"
+
+
+def test_a_restart_on_a_nearly_full_disk_warns(engine, tmp_path, monkeypatch, capsys):
+    import shutil as shutil_module
+
+    Store(tmp_path / "chat.db").close()
+    usage = shutil_module.disk_usage(tmp_path)
+    monkeypatch.setattr("app.store.shutil.disk_usage", lambda p: usage._replace(free=3 * 2**20))
+    app = create_app(engine, tmp_path / "chat.db", model_name="tiny")
+    err = capsys.readouterr().err
+    assert "warning: the disk holding" in err and "3.0 MB free" in err and "may not be saved" in err
+    assert app.state.service.store.notes and "3.0 MB free" in app.state.service.store.notes[0]
+
+
+def test_an_api_answer_that_cannot_be_stored_still_reaches_its_client(engine, tmp_path, capsys):
+    app = create_app(engine, tmp_path / "api.db", model_name="tiny")
+    fill_up(app.state.service.store)
+    r = TestClient(app).post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "w5"}],
+                                                           "max_tokens": 200})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 200
+    assert "the database is full" in capsys.readouterr().err
+    assert app.state.service.store.sessions() == []  # all of the exchange or none of it
+
+
+# -- issue 19: fitting a long history costs time linear in its length ------------------------------
+def chat_of(turns: int, words: int = 3) -> list[dict]:
+    history = []
+    for i in range(turns):
+        history += [{"role": "user", "text": " ".join(f"w{3 + (i + j) % 90}" for j in range(words))},
+                    {"role": "assistant", "text": " ".join(f"w{3 + (i * 3 + j) % 90}" for j in range(words))}]
+    return history + [{"role": "user", "text": "w40 w41"}]
+
+
+def test_fitting_a_long_history_is_linear_and_a_hopeless_one_is_refused_at_once(service):
+    for turns in (500, 1500):  # 1001 and 3001 messages, as in the issue
+        t0 = time.perf_counter()
+        prompt, kept, dropped = service.fit("w4", chat_of(turns), 16)
+        elapsed = time.perf_counter() - t0
+        assert len(prompt) + 16 <= service.engine.target.max_context and kept[-1]["text"] == "w40 w41"
+        assert dropped > turns - 100 and elapsed < 1.5, (turns, elapsed)
+    huge = chat_of(1500)[:-1] + [{"role": "user", "text": " ".join(["w5"] * 600)}]
+    t0 = time.perf_counter()
+    with pytest.raises(ContextTooLong, match="too long"):
+        service.fit("", huge, 16)
+    assert time.perf_counter() - t0 < 0.5
+
+
+def test_fitting_keeps_as_many_turns_as_the_exact_search(service):
+    """Counting is checked against the slow, exact way (render every candidate prompt)."""
+    limit = service.engine.target.max_context
+    for turns, words, need in ((40, 3, 16), (30, 9, 100), (60, 5, 300), (5, 2, 8)):
+        history = chat_of(turns, words)
+        starts = [0] + [i for i, m in enumerate(history) if m["role"] == "user" and i > 0]
+        exact = next(k for k, start in enumerate(starts)
+                     if len(service.prompt_ids("w4", history[start:])) + need <= limit)
+        prompt, kept, dropped = service.fit("w4", history, need)
+        assert dropped in (exact, exact + 1) and kept == history[starts[dropped]:], (turns, exact, dropped)
+        assert prompt == service.prompt_ids("w4", kept) and len(prompt) + need <= limit
+
+
+# -- issue 19: smaller things ---------------------------------------------------------------------
+def test_an_empty_database_file_is_taken_as_new_and_said(engine, tmp_path, capsys):
+    path = tmp_path / "empty.db"
+    path.write_bytes(b"")
+    app = create_app(engine, path, model_name="tiny")
+    assert "was empty (0 bytes); it is used as a new chat database" in capsys.readouterr().err
+    store = app.state.service.store
+    sid = store.create_session("works")
+    assert store.session(sid)["title"] == "works" and store.notes[0].startswith("note: ")
+    store.close()
+    assert Store(path).notes == []  # a file with content is simply opened
+
+
+def test_a_refused_database_keeps_no_wal_or_shm_beside_it(tmp_path):
+    good = tmp_path / "good.db"
+    Store(good).close()
+    for name, damage in (("wal-header.db", lambda b: b[:100] + os.urandom(len(b) - 100)),
+                         ("half.db", lambda b: b[: len(b) // 2])):
+        path = tmp_path / name
+        path.write_bytes(damage(good.read_bytes()))
+        before = path.read_bytes()
+        with pytest.raises(StoreError, match="left untouched"):
+            Store(path)
+        assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(name)) == [name]
+        assert path.read_bytes() == before
+    # A -wal that was there already (another program's) is never touched.
+    locked = tmp_path / "locked.db"
+    Store(locked).close()
+    other = sqlite3.connect(locked, isolation_level=None)
+    other.execute("PRAGMA journal_mode=WAL")
+    other.execute("BEGIN EXCLUSIVE")
+    try:
+        with pytest.raises(StoreError, match="locked"):
+            Store(locked, timeout=0.2)
+        assert Path(f"{locked}-wal").exists()
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+
+
+def test_exports_leave_no_temporary_folders_behind(engine, tmp_path):
+    import tempfile
+
+    def export_folders() -> set[str]:
+        return {p.name for p in Path(tempfile.gettempdir()).glob("gumiho-export-*")}
+
+    before = export_folders()
+    with TestClient(create_app(engine, tmp_path / "e.db", model_name="tiny")) as client:
+        service = client.app.state.service
+        sid = service.store.create_session("export me")
+        service.store.add_message(sid, "user", "w5")
+        paths = [Path(handlers.export(service, sid, kind)) for kind in ("json", "md") * 10]
+        assert all(p.name in ("export-me.json", "export-me.md") for p in paths) and paths[-1].exists()
+        assert len(export_folders() - before) == 1  # one folder for the app ...
+        assert len(list(service.exports.root.iterdir())) <= service.exports.keep  # ... holding the newest few
+    assert export_folders() == before  # and gone when the app stops
+
+
+def test_sessions_say_where_they_came_from_and_api_storage_is_a_setting(engine, tmp_path, monkeypatch):
+    body = {"messages": [{"role": "user", "content": "w5"}], "max_tokens": 3}
+    app = create_app(engine, tmp_path / "s.db", model_name="tiny")
+    service = app.state.service
+    send(service, handlers.new_state(), "w6 from the ui")
+    assert TestClient(app).post("/v1/chat/completions", json=body).status_code == 200
+    handlers.chat_api(service, "w7 from gradio_client", max_new_tokens=3)
+    assert sorted(s["source"] for s in service.store.sessions()) == ["/chat", "openai", "ui"]
+    labels = [label for label, _ in handlers.session_choices(service)]
+    assert sum("via openai" in x for x in labels) == 1 and sum("via /chat" in x for x in labels) == 1
+    assert any(x.startswith("w6 from the ui") and "via" not in x for x in labels)
+    for off in (create_app(engine, tmp_path / "off.db", model_name="tiny", store_api=False),
+                monkeypatch.setenv("GUMIHO_STORE_API", "0") or create_app(engine, tmp_path / "env.db", model_name="t")):
+        assert TestClient(off).post("/v1/chat/completions", json=body).status_code == 200
+        handlers.chat_api(off.state.service, "w7", max_new_tokens=3)
+        assert off.state.service.store.sessions() == []

@@ -76,12 +76,15 @@ def test_old_schema_is_migrated(tmp_path):
     path = tmp_path / "old.db"
     db = sqlite_utils.Database(sqlite3.connect(path))
     _v1(db)
+    db["sessions"].insert({"title": "from before", "created": "2026", "updated": "2026", "settings": "{}"})
     db.execute("PRAGMA user_version = 1")
     db.conn.commit()
     db.conn.close()
     store = Store(path)
     assert store.version() == SCHEMA_VERSION
     assert "model" in store.db["answer_stats"].columns_dict
+    [old] = store.sessions()
+    assert old["source"] == "ui"  # sessions from before sources were recorded all came from the UI
 
 
 def test_a_failed_write_leaves_nothing_behind(tmp_path, monkeypatch):
