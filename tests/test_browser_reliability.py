@@ -229,3 +229,41 @@ def test_auth_login_in_the_browser(browser, inproc):
     page.get_by_role("button", name="Login").click()
     page.wait_for_selector("#legend")
     page.context.close()
+
+
+def test_sigterm_mid_answer_with_tabs_open_stops_within_5_s_and_saves_the_partial_answer(browser, tmp_path):
+    """Issue 19: a SIGTERM used to wait for every open tab (45 s+) and for the answer to finish."""
+    db = tmp_path / "chat.db"
+    port = free_port()
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "tests/serve_tiny.py", "--port", str(port), "--db", str(db),
+                             "--slow", "0.2"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/", timeout=120, proc=proc)
+        idle, busy = new_page(browser), new_page(browser)
+        for page in (idle, busy):
+            page.goto(f"http://127.0.0.1:{port}/")
+            page.wait_for_selector("#legend")
+        set_max_new_tokens(busy, 400)
+        send(busy, "w9 w10 long answer")
+        busy.wait_for_function("() => document.querySelectorAll('#chat-log .msg.assistant .tok').length >= 3")
+        t0 = time.time()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        elapsed = time.time() - t0
+        print(f"\nSIGTERM mid-answer with two tabs open: exited in {elapsed:.1f} s")
+        assert elapsed < 5
+        for page in (idle, busy):
+            page.context.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+    from app.store import Store
+
+    store = Store(db)
+    [session] = store.sessions()
+    user, answer = store.messages(session["id"])
+    assert user["text"] == "w9 w10 long answer" and session["source"] == "ui"
+    assert answer["text"] and answer["finish_reason"] == "cancelled"  # as the Stop button saves it
+    store.close()
