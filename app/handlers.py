@@ -145,8 +145,10 @@ def stream_answer(service: ChatService, st: dict, opts: Options, settings: Gener
             note = f"*generating…* {render.esc(answer.notice)}".strip()
             yield render.chat_html(shown, view_name, rej), st, gr.skip(), note, gr.skip()
     finally:
-        # Also reached when the browser goes away mid-answer: the partial text is kept.
+        # Also reached when the browser goes away mid-answer: the partial text is kept, as Stop keeps it.
         _cancels.pop(key, None)
+        if not answer.done and answer.steps:
+            answer.finish_reason = "cancelled"
         if answer.steps or answer.error:
             problem = keep_answer(service, st, answer, settings.speculative)
     note = f"**{render.esc(answer.error)}**" if answer.error else ""

@@ -51,6 +51,7 @@ def create_app(engine, db_path: str | Path | None = None, model_name: str = "def
     sessions marked by their source."""
     import gradio as gr
     from fastapi import FastAPI
+    from fastapi.exceptions import RequestValidationError
 
     from .chat import ChatService
     from .openai_api import install
@@ -72,7 +73,18 @@ def create_app(engine, db_path: str | Path | None = None, model_name: str = "def
         footer_links=["api"], auth=[auth] if auth else None,
     )
     app.state.gradio_app = next(r.app for r in app.routes if getattr(r, "path", None) == "" and hasattr(r, "app"))
+    for part in (app, app.state.gradio_app):
+        part.add_exception_handler(RequestValidationError, _validation_failed)
     return app
+
+
+def _validation_failed(request, exc):
+    """A 422 that says where and what, without the input: FastAPI's own handler echoes the
+    input back, and an overflowing number (1e400 is read as inf) cannot be written as JSON (a 500)."""
+    from fastapi.responses import JSONResponse
+
+    errors = [{"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")} for e in exc.errors()]
+    return JSONResponse({"detail": errors}, status_code=422)
 
 
 def _lifespan(service):

@@ -267,3 +267,27 @@ def test_sigterm_mid_answer_with_tabs_open_stops_within_5_s_and_saves_the_partia
     assert user["text"] == "w9 w10 long answer" and session["source"] == "ui"
     assert answer["text"] and answer["finish_reason"] == "cancelled"  # as the Stop button saves it
     store.close()
+
+
+def test_a_tab_closed_mid_answer_releases_the_engine(browser, inproc):
+    """Issue 19's API stall, checked for the UI: a tab that goes away mid-answer holds nobody up."""
+    import json
+    import urllib.request
+
+    start, _ = inproc
+    url, service = start()
+    page = new_page(browser)
+    page.goto(url)
+    page.wait_for_selector("#legend")
+    set_max_new_tokens(page, 400)
+    send(page, "w9 w10 a long answer")
+    page.wait_for_function("() => document.querySelectorAll('#chat-log .msg.assistant .tok').length >= 3")
+    page.context.close()
+    t0 = time.time()
+    body = json.dumps({"messages": [{"role": "user", "content": "w5"}], "max_tokens": 4}).encode()
+    request = urllib.request.Request(f"{url}v1/chat/completions", data=body, headers={"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as r:
+        assert json.loads(r.read())["usage"]["completion_tokens"] == 4
+    assert time.time() - t0 < 10
+    [session] = [s for s in service.store.sessions() if s["source"] == "ui"]
+    assert service.store.messages(session["id"])[-1]["finish_reason"] == "cancelled"  # kept, as Stop keeps it

@@ -665,3 +665,12 @@ def test_sessions_say_where_they_came_from_and_api_storage_is_a_setting(engine, 
         assert TestClient(off).post("/v1/chat/completions", json=body).status_code == 200
         handlers.chat_api(off.state.service, "w7", max_new_tokens=3)
         assert off.state.service.store.sessions() == []
+
+
+def test_overflowing_numbers_on_gradio_routes_are_a_422_not_a_500(engine, tmp_path):
+    client = TestClient(create_app(engine, tmp_path / "g.db", model_name="tiny"), raise_server_exceptions=False)
+    for raw in (b'{"data": [], "fn_index": 1e400, "session_hash": "x"}',
+                b'{"data": [], "fn_index": Infinity, "trigger_id": NaN, "session_hash": "x"}'):
+        r = client.post("/gradio_api/queue/join", content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"], r.text
+        assert all(set(e) == {"loc", "msg", "type"} for e in r.json()["detail"])  # the input is not echoed back
