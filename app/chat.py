@@ -139,6 +139,7 @@ class ChatService:
         self.closing = threading.Event()
         self.record_requests = True  # store /chat and OpenAI answers as sessions (create_app's store_api)
         self.exports = ExportFolder()
+        self._share: tuple[object, int] = (None, 0)  # (target, template tokens per message): _template_share
 
     def close(self) -> None:
         """Shutting down: refuse new answers, stop the running one and the waiting ones.
@@ -201,7 +202,7 @@ class ChatService:
     def _template_share(self) -> int:
         """Tokens the chat template adds around one message (role markers, separators), measured once."""
         target = self.engine.target
-        if getattr(self, "_share", (None, 0))[0] is not target:
+        if self._share[0] is not target:  # measured again after a model swap
             one = [{"role": "user", "text": "hello"}]
             three = one + [{"role": "assistant", "text": "hello"}, {"role": "user", "text": "hello"}]
             extra = len(self.prompt_ids("", three)) - len(self.prompt_ids("", one)) - 2 * len(target.encode("hello"))

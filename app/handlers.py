@@ -100,9 +100,9 @@ def add_user(service: ChatService, st: dict, text: str) -> None:
 def drop_last_answer(service: ChatService, st: dict) -> None:
     """Take the last message out (and out of the database) if it is an answer."""
     if st["messages"] and st["messages"][-1]["role"] == "assistant":
-        dropped = st["messages"].pop()
-        if service.store and dropped.get("id"):
-            service.store.delete_messages([dropped["id"]])
+        if service.store and st["messages"][-1].get("id"):  # first: if the database refuses, the chat stays
+            service.store.delete_messages([st["messages"][-1]["id"]])
+        st["messages"].pop()
 
 
 def keep_answer(service: ChatService, st: dict, answer: Answer, speculative: bool) -> str:
