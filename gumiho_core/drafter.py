@@ -20,12 +20,14 @@ a tree of the root alone) all go through the same loop.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 
 import torch
 
 from .context_lookup import LookupLength, continuation
 from .cpu_matmul import pack_for_rows
+from .draft_guard import DraftGuard
 from .draft_tree import DraftTree, build_draft_tree
 from .heads import DraftVocabProjection, GumihoHeads
 from .settings import GenerationSettings, TreeSettings
@@ -81,6 +83,13 @@ class GumihoDrafter(Drafter):
     It owns everything that only drafting needs: the heads, the serial head's cache, the
     draft-vocabulary projection, and the lookup's length. Its cache is kept between
     generations for the tokens the next prompt shares with what it read.
+
+    Under sampling it drafts only as far as drafting pays (draft_guard.py): each step is
+    the full tree ("heads"), the root and a looked-up chain ("lookup"), or the root alone
+    ("root", plain decoding's step), whichever gave the most tokens per second lately at
+    these settings. Under greedy decoding it always drafts the full tree: the tree budget
+    (tree_budget.py) measured what these heads are accepted at exactly that rule.
+    `guard = None` drafts every step under sampling too (tests of the acceptance rule).
     """
 
     def __init__(self, target, heads: GumihoHeads):
@@ -93,10 +102,19 @@ class GumihoDrafter(Drafter):
         self.tree = TreeSettings()
         self.lookup = LookupLength(0)
         self.chain: list[int] = []  # the looked-up tokens offered in this step's tree
+        self.guard: DraftGuard | None = DraftGuard()
+        self.guarded = False  # the guard picks this generation's modes (sampling only)
+        self.mode = "heads"  # this step's mode, and when its drafting started
+        self.started = 0.0
 
     def begin(self, prompt_ids: list[int], shared: int, settings: GenerationSettings) -> None:
         self.tree = settings.tree
         self.lookup, self.chain = LookupLength(self.tree.lookup_tokens), []
+        self.guarded = self.guard is not None and not settings.sampling.greedy
+        if self.guarded:
+            # The seed changes which tokens are drawn, not how many are accepted on average.
+            key = (replace(settings.sampling, seed=None), self.tree)
+            self.guard.begin(key, ("heads", "lookup", "root") if self.tree.lookup_tokens else ("heads", "root"))
         # Below depth 1, drafting multiplies one row per beam (cpu_matmul.py).
         pack_for_rows(self.heads, self.tree.top_k)
         if self.projection.project is not self.target.lm_head:  # a draft vocabulary of its own
@@ -120,15 +138,21 @@ class GumihoDrafter(Drafter):
 
     def draft(self, step: DraftStep) -> DraftTree:
         """Look up a chain in the context, feed the serial head what it has not read yet,
-        and draft below the root."""
+        and draft below the root (as far as this step's mode goes)."""
+        self.started = time.perf_counter()
+        self.mode = self.guard.pick() if self.guarded else "heads"
         self.chain = []
+        root_only = DraftTree.root_only(step.root, step.context.device)
+        if self.mode == "root":
+            return root_only
         if self.lookup.tokens:
             self.chain = continuation(step.context, min(self.lookup.tokens, step.room))
-            if self.chain and self.lookup.repeating:
-                # The answer is repeating the context and the last chain was accepted whole:
-                # the heads are skipped (they would cost more than their branch gains). The
-                # serial head reads the tokens it missed at its next turn.
-                return DraftTree.root_only(step.root, step.context.device).add_chain(self.chain)
+        if self.mode == "lookup" or (self.chain and self.lookup.repeating):
+            # Either the guard found the heads not worth their cost lately, or the answer is
+            # repeating the context and the last chain was accepted whole (the heads would
+            # cost more than their branch gains). The serial head reads the tokens it missed
+            # at its next turn.
+            return root_only.add_chain(self.chain)
         return self._heads_tree(step).add_chain(self.chain)
 
     def _heads_tree(self, step: DraftStep) -> DraftTree:
@@ -149,6 +173,8 @@ class GumihoDrafter(Drafter):
         if self.chain:
             drafted = tree.tokens[path[1:]].tolist()
             self.lookup.update(common_prefix_length(drafted, self.chain), len(self.chain))
+        if self.guarded:  # the step gave the path and the target's own token, in this time
+            self.guard.record(self.mode, len(path), time.perf_counter() - self.started)
 
 
 class RecordingDrafter(Drafter):

@@ -80,7 +80,11 @@ SAMPLING = dict(temperature=0.9, top_p=0.95)
 @pytest.fixture(scope="module")
 def small():
     target = tiny_target(seed=4, vocab=VOCAB, eos=False, std=0.4)
-    return target, Engine(target, new_heads(target))
+    engine = Engine(target, new_heads(target))
+    # Every step drafts its tree: these tests check the acceptance rule on trees, which the
+    # draft guard (draft_guard.py) would soon stop offering, as untrained heads do not pay.
+    engine.drafter.guard = None
+    return target, engine
 
 
 # Every (9, x) pair occurs in this prompt, which ends with 9: whatever the first new token,
@@ -128,6 +132,37 @@ def test_speculative_sampling_matches_target_distribution(small):
 def test_speculative_sampling_with_context_lookup_matches_target_distribution(small):
     target, engine = small
     counts = second_token_counts(engine, 2500, LOOKUP_PROMPT, lookup_tokens=4)
+    stat, df = chi_square(counts, exact_second_token(target, LOOKUP_PROMPT))
+    assert stat < chi2_critical(df), stat
+
+
+class TakingTurns:
+    """A draft guard that gives the drafter's modes a step each in turn: heads, lookup, root, ..."""
+
+    def __init__(self):
+        self.turn, self.modes = 0, ()
+
+    def begin(self, key, modes):
+        self.modes = modes
+
+    def pick(self):
+        self.turn += 1
+        return self.modes[self.turn % len(self.modes)]
+
+    def record(self, mode, tokens, seconds):
+        pass
+
+
+def test_draft_guard_modes_keep_the_distribution(small):
+    """Whatever mode the guard picks for a step (the full tree, the looked-up chain alone, the
+    root alone), the target's distribution is what comes out."""
+    target, engine = small
+    guard = engine.drafter.guard = TakingTurns()
+    try:
+        counts = second_token_counts(engine, 2400, LOOKUP_PROMPT, lookup_tokens=4)
+    finally:
+        engine.drafter.guard = None
+    assert guard.modes == ("heads", "lookup", "root") and guard.turn == 2400  # one step each generation
     stat, df = chi_square(counts, exact_second_token(target, LOOKUP_PROMPT))
     assert stat < chi2_critical(df), stat
 

@@ -1,0 +1,103 @@
+"""Whether drafting pays at the sampling settings in use, judged from the steps it times.
+
+A drafted tree speeds decoding up only if the target accepts enough of it: a tree step
+costs more than a one-row step (a wider target pass, and the heads' drafting), and buys
+1 + the accepted drafts. Under greedy decoding the shipped heads get ~3 tokens a pass; under
+sampling far fewer are accepted (mt_bench, temperature 1: tau 1.44), and speculation
+ran at 0.90x plain. How much a tree step costs depends on the engine and the machine, and
+what it buys on the temperature, the text and the heads, so the guard measures both while
+it runs instead of trusting numbers measured elsewhere.
+
+The drafter offers modes, dearest first (e.g. "heads": the full tree; "lookup": the root
+and a looked-up chain, no heads; "root": the root alone, i.e. plain decoding's step). For
+the settings in use the guard keeps each mode's latest steps (tokens emitted, seconds from
+drafting to the accepted path), picks the mode with the most tokens per second, and now
+and then tries another one, so the choice follows the answer and the machine (a busy
+machine slows every mode alike). Statistics are kept per sampling settings and tree,
+across generations, so a chat learns once per setting.
+
+Lossless whatever it picks: the target verifies any tree against its own choices
+(verify.accept), so a mode changes how many passes an answer takes, never its tokens or
+their distribution.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+WINDOW = 24  # steps per mode the rate is taken over: long enough to average tau's spread
+FIRST_STEPS = 4  # steps each mode gets before the guard compares them
+PROBE_EVERY = 16  # steps of the best mode between tries of another one
+
+
+@dataclass
+class ModeSteps:
+    """The latest steps of one mode: tokens emitted and seconds taken."""
+
+    steps: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.steps.append((tokens, seconds))
+
+    def rate(self) -> float:
+        """Tokens per second over the window (0 before any step)."""
+        seconds = sum(s for _, s in self.steps)
+        return sum(t for t, _ in self.steps) / seconds if seconds > 0 else 0.0
+
+    def tokens_per_step(self) -> float:
+        return sum(t for t, _ in self.steps) / len(self.steps) if self.steps else 0.0
+
+
+class ModeChoice:
+    """The modes' records for one (sampling settings, tree) key, and whose turn it is."""
+
+    def __init__(self, modes: tuple[str, ...]):
+        self.modes = modes
+        self.records = {mode: ModeSteps() for mode in modes}
+        self.since_probe = 0
+        self.next_probe = 0  # which of the other modes the next try goes to, in turn
+
+    def best(self) -> str:
+        # Ties go to the cheaper mode (later in the list): it risks less if both are even.
+        return max(reversed(self.modes), key=lambda mode: self.records[mode].rate())
+
+    def pick(self) -> str:
+        for mode in self.modes:  # every mode is timed first, dearest (most speculative) first
+            if len(self.records[mode].steps) < FIRST_STEPS:
+                return mode
+        best = self.best()
+        self.since_probe += 1
+        if self.since_probe <= PROBE_EVERY or len(self.modes) == 1:
+            return best
+        self.since_probe = 0
+        others = [mode for mode in self.modes if mode != best]
+        probe = others[self.next_probe % len(others)]
+        self.next_probe += 1
+        return probe
+
+
+class DraftGuard:
+    """Picks a drafter's mode for each step and learns from what each step gave."""
+
+    def __init__(self):
+        self.choices: dict[tuple, ModeChoice] = {}
+        self.current: ModeChoice | None = None
+
+    def begin(self, key: tuple, modes: tuple[str, ...]) -> None:
+        """A generation starts under `key` (its sampling settings and tree), drafting in `modes`."""
+        key = (key, modes)
+        if key not in self.choices:
+            self.choices[key] = ModeChoice(modes)
+        self.current = self.choices[key]
+
+    def pick(self) -> str:
+        return self.current.pick()
+
+    def record(self, mode: str, tokens: int, seconds: float) -> None:
+        self.current.records[mode].add(tokens, seconds)
+
+    def summary(self) -> dict:
+        """Per key and mode: tokens per step and tokens per second over the window."""
+        return {str(key): {mode: {"tokens_per_step": r.tokens_per_step(), "tokens_per_s": r.rate(),
+                                  "steps": len(r.steps)} for mode, r in choice.records.items()}
+                for key, choice in self.choices.items()}

@@ -1,0 +1,147 @@
+"""The draft guard: under sampling the drafter drafts only as far as it pays, measured as it runs."""
+from __future__ import annotations
+
+import pytest
+
+from gumiho_core import Engine, GenerationSettings, SamplingSettings, TreeSettings, new_heads, run_to_end
+from gumiho_core.draft_guard import FIRST_STEPS, PROBE_EVERY, DraftGuard, ModeChoice
+from gumiho_core.drafter import RecordingDrafter
+from tiny import tiny_target
+
+MODES = ("heads", "lookup", "root")
+
+
+def feed(choice: ModeChoice, tokens: dict, seconds: dict, steps: int) -> list[str]:
+    """Let `choice` pick `steps` times; each mode's step gives its tokens in its seconds."""
+    picked = []
+    for _ in range(steps):
+        mode = choice.pick()
+        choice.records[mode].add(tokens[mode], seconds[mode])
+        picked.append(mode)
+    return picked
+
+
+def test_every_mode_is_timed_first_then_the_fastest_wins_with_probes_of_the_others():
+    choice = ModeChoice(MODES)
+    # Tokens per time unit: heads 1.4 / 1.6 = 0.88, lookup 1.05 / 1.1 = 0.95, root 1.
+    picked = feed(choice, {"heads": 1.4, "lookup": 1.05, "root": 1}, {"heads": 1.6, "lookup": 1.1, "root": 1.0},
+                  3 * FIRST_STEPS + 3 * (PROBE_EVERY + 1))
+    assert picked[: 3 * FIRST_STEPS] == ["heads"] * FIRST_STEPS + ["lookup"] * FIRST_STEPS + ["root"] * FIRST_STEPS
+    after = picked[3 * FIRST_STEPS :]
+    assert after.count("root") == 3 * PROBE_EVERY
+    assert [m for m in after if m != "root"] == ["heads", "lookup", "heads"]  # the others, in turn
+
+
+def test_even_modes_go_to_the_cheaper_one():
+    choice = ModeChoice(("heads", "root"))
+    feed(choice, {"heads": 2, "root": 1}, {"heads": 2.0, "root": 1.0}, 2 * FIRST_STEPS)
+    assert choice.best() == "root"  # it risks less when the two are even
+
+
+def test_a_tree_that_pays_keeps_drafting():
+    choice = ModeChoice(("heads", "root"))
+    picked = feed(choice, {"heads": 3.0, "root": 1}, {"heads": 1.5, "root": 1.0}, 2 * FIRST_STEPS + 4 * PROBE_EVERY)
+    after = picked[2 * FIRST_STEPS :]
+    assert after.count("heads") >= len(after) - 4
+
+
+def test_the_choice_follows_a_change_in_what_drafting_buys():
+    choice = ModeChoice(("heads", "root"))
+    feed(choice, {"heads": 3.0, "root": 1}, {"heads": 1.5, "root": 1.0}, 2 * FIRST_STEPS + 10)
+    assert choice.best() == "heads"
+    # Drafts stop being accepted (e.g. the answer turns to free text at a high temperature):
+    # the probes of the heads show it, and plain steps take over.
+    feed(choice, {"heads": 1.0, "root": 1}, {"heads": 1.5, "root": 1.0}, 40)
+    assert choice.best() == "root"
+
+
+def test_records_are_kept_per_key_across_generations():
+    guard = DraftGuard()
+    guard.begin(("t=1",), ("heads", "root"))
+    for _ in range(3):
+        guard.record(guard.pick(), 1, 1.0)
+    guard.begin(("t=0.7",), ("heads", "root"))
+    assert guard.pick() == "heads" and sum(len(r.steps) for r in guard.current.records.values()) == 0
+    guard.begin(("t=1",), ("heads", "root"))  # a new generation at the first settings goes on from there
+    assert len(guard.current.records["heads"].steps) == 3
+    assert set(guard.summary()) == {str((("t=1",), ("heads", "root"))), str((("t=0.7",), ("heads", "root")))}
+
+
+class FixedGuard:
+    """Always the same mode; remembers what each step gave."""
+
+    def __init__(self, mode):
+        self.mode, self.recorded, self.modes = mode, [], None
+
+    def begin(self, key, modes):
+        self.modes = modes
+
+    def pick(self):
+        return self.mode
+
+    def record(self, mode, tokens, seconds):
+        self.recorded.append((mode, tokens, seconds))
+
+
+@pytest.fixture(scope="module")
+def engine():
+    target = tiny_target(seed=0, eos=False)
+    return Engine(target, new_heads(target))
+
+
+SAMPLED = SamplingSettings(temperature=1.0, seed=3)
+
+
+def trees(engine, sampling, guard, lookup_tokens=4, prompt=(3, 4, 5, 3, 4, 5, 3, 4)):
+    engine.drafter.guard = guard
+    recorder = RecordingDrafter(engine.drafter)
+    tree = TreeSettings(top_k=3, total_tokens=6, depth=2, lookup_tokens=lookup_tokens)
+    try:
+        done = run_to_end(engine, list(prompt), GenerationSettings(max_new_tokens=16, sampling=sampling, tree=tree),
+                          drafter=recorder, reuse_prefix=False)
+    finally:
+        engine.drafter.guard = DraftGuard()
+    return done, recorder.trees
+
+
+def test_root_mode_is_plain_decodings_step(engine):
+    guard = FixedGuard("root")
+    done, drafted = trees(engine, SAMPLED, guard)
+    # The prefill gives the first token, each step one more.
+    assert all(len(t) == 1 for t in drafted) and done.stats.forward_passes == 16
+    assert guard.modes == MODES
+    assert [(m, n) for m, n, _ in guard.recorded] == [("root", 1)] * 15 and all(s > 0 for *_, s in guard.recorded)
+
+
+def test_lookup_mode_offers_the_chain_without_the_heads(engine):
+    _, drafted = trees(engine, SAMPLED, FixedGuard("lookup"))
+    assert any(len(t) > 1 for t in drafted)
+    assert all(set(t.sources) <= {"root", "lookup"} for t in drafted)
+
+
+def test_heads_mode_and_greedy_decoding_draft_the_full_tree(engine):
+    guard = FixedGuard("root")
+    _, drafted = trees(engine, SamplingSettings(), guard)  # greedy: the guard is not asked
+    assert guard.modes is None and all("serial" in t.sources for t in drafted)
+    guard = FixedGuard("heads")
+    _, drafted = trees(engine, SAMPLED, guard, lookup_tokens=0)
+    assert guard.modes == ("heads", "root") and all("serial" in t.sources for t in drafted)
+    assert sum(n for _, n, _ in guard.recorded) >= 15  # every step's tokens (the last may run past)
+
+
+class TakingTurns(FixedGuard):
+    """The modes in turn, one step each: heads, lookup, root, heads, ..."""
+
+    def pick(self):
+        self.mode = self.modes[len(self.recorded) % len(self.modes)]
+        return self.mode
+
+
+def test_switching_modes_mid_answer_keeps_the_answer(engine):
+    """At a temperature so low that the target's choice carries all the probability, the
+    sampled answer is the greedy one, whatever mode each step drafted in."""
+    plain = run_to_end(engine, [3, 4, 5, 3, 4, 5, 3, 4], GenerationSettings(max_new_tokens=16, speculative=False))
+    guard = TakingTurns("heads")
+    done, drafted = trees(engine, SamplingSettings(temperature=1e-4, seed=0), guard)
+    assert done.token_ids == plain.token_ids
+    assert {m for m, _, _ in guard.recorded} == set(MODES)
