@@ -30,7 +30,7 @@ from .events import DoneEvent, GenerationStats, StepEvent, TokenPiece
 from .heads import GumihoHeads
 from .sampling import TokenChooser
 from .settings import GenerationSettings
-from .verify import TargetPasses, accept, crop_cache, keep_path_in_cache
+from .verify import TargetPasses, accept
 
 
 class Detokenizer:
@@ -96,7 +96,7 @@ class PrefixState:
     """
 
     ids: list[int]  # the tokens whose keys/values the target cache holds
-    cache: object  # transformers DynamicCache
+    cache: object  # TargetPasses.new_cache(): a StaticKVCache or a TransformersCache
     features: torch.Tensor  # (len(ids), H) target features of those tokens
 
     def shared_with(self, prompt_ids: list[int]) -> int:
@@ -170,12 +170,10 @@ class _Generation:
 
     def __init__(self, target, passes: TargetPasses, drafter: Drafter, prompt_ids: list[int],
                  settings: GenerationSettings, cancel):
-        from transformers import DynamicCache
-
         self.target, self.passes, self.drafter = target, passes, drafter
         self.settings, self.cancel = settings, cancel
         self.device = target.device
-        self.cache = DynamicCache(config=target.config)
+        self.cache = passes.new_cache()
         self.features = torch.zeros(0, target.hidden_size, device=self.device)  # one row per cached token
         self.chooser = TokenChooser(settings.sampling, device=self.device)
         # Every token so far: the prompt, the answer, and last the root (the target's newest
@@ -193,7 +191,7 @@ class _Generation:
     def reuse(self, prefix: PrefixState, n: int) -> None:
         """Start from the first `n` tokens' cache and features of the last generation."""
         self.cache = prefix.cache
-        crop_cache(self.cache, n)
+        self.cache.crop(n)
         self.features = prefix.features[:n]
         self.stats.reused_prompt_tokens = n
 
@@ -236,7 +234,7 @@ class _Generation:
         t1 = time.perf_counter()
         features, logits = self.passes.verify(self.cache, tree, past_len)
         result = accept(tree, logits, self.chooser, self.context)
-        keep_path_in_cache(self.cache, past_len, result.path)
+        self.cache.keep_path(past_len, result.path)
         t2 = time.perf_counter()
         self.drafter.observe(tree, result.path)
         self.stats.forward_passes += 1

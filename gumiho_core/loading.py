@@ -25,7 +25,7 @@ SHIPPED_HEADS = PROJECT_ROOT / "assets" / "heads" / "smollm2-135m-instruct"
 
 def load_engine(model: str | None = None, heads: str | None = None, dtype: str = "float32",
                 quantize: str | None = None, device: str = "cpu", need_heads: bool = True,
-                warn=lambda text: print(text, file=sys.stderr)) -> tuple[Engine, str]:
+                warn=lambda text: print(text, file=sys.stderr), fast: bool = True) -> tuple[Engine, str]:
     """Target + heads. Returns (engine, heads note: "shipped", the heads path, "untrained" or "").
 
     Without `heads`: the default model gets its shipped heads; another model gets untrained
@@ -33,7 +33,9 @@ def load_engine(model: str | None = None, heads: str | None = None, dtype: str =
     """
     if heads:
         heads_layout(Path(heads))  # a wrong path fails before the target loads
-    target = load_target(model, dtype=dtype, quantize=quantize, device=device)
+    target = load_target(model, dtype=dtype, quantize=quantize, device=device, fast=fast)
+    if target.fast_note:
+        warn(f"note: {target.fast_note}; passes run on transformers' forward")
     if heads:
         return Engine(target, load_heads(heads, target)), str(heads)
     if model is None and SHIPPED_HEADS.exists():

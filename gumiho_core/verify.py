@@ -97,10 +97,15 @@ class TargetPasses:
         else:
             self.sizes = sizes if pack_for_rows(self.target.model, sizes) else ()
 
+    def new_cache(self):
+        """An empty KV cache for this target: the fast decoder's static one, or transformers'."""
+        fast = self.target.fast
+        return fast.new_cache() if fast is not None else TransformersCache(self.target.config)
+
     def prefill(self, cache, context: torch.Tensor, start: int):
         """Read context[start:] into the cache. Returns (its features, the last token's logits)."""
         positions = torch.arange(start, len(context), device=context.device)
-        return run_target(self.target, cache, context[start:], positions, logits_for=[-1])
+        return self._run(cache, context[start:], positions, logits_for=[-1])
 
     def verify(self, cache, tree: DraftTree, past_len: int):
         """One pass over `tree` below `past_len` cached tokens: (features, logits) of its nodes."""
@@ -108,12 +113,54 @@ class TargetPasses:
         padding = next((size - n for size in self.sizes if size >= n), 0) if n > 1 else 0
         tokens = tree.tokens.to(device)
         depths = torch.tensor(tree.depths + [0] * padding, device=device)
-        mask = None
         if n > 1:
-            mask = tree_attention_mask(tree, past_len, self.target.base.dtype, device, padding)
             tokens = torch.cat([tokens, tokens[:1].expand(padding)])
-        features, logits = run_target(self.target, cache, tokens, past_len + depths, mask)
+        features, logits = self._run(cache, tokens, past_len + depths, tree=tree, padding=padding)
         return features[:n], logits[:n]
+
+    def _run(self, cache, tokens, positions, tree=None, padding=0, logits_for=None):
+        fast = self.target.fast
+        if fast is None:
+            mask = None
+            if tree is not None and len(tree) > 1:
+                mask = tree_attention_mask(tree, cache.length, self.target.base.dtype, self.target.device,
+                                           padding)
+            return run_target(self.target, cache.inner, tokens, positions, mask, logits_for)
+        with torch.no_grad():
+            ancestors = None if tree is None or len(tree) == 1 else padded_ancestors(tree, padding)
+            features = fast(tokens, positions, cache, ancestors)
+            rows = features if logits_for is None else features[logits_for]
+            return features.float(), fast.logits(rows)
+
+
+def padded_ancestors(tree: DraftTree, padding: int) -> torch.Tensor:
+    """(N + padding)^2 bool: each node sees its ancestors and itself; a padding row only itself."""
+    n = len(tree)
+    allowed = torch.eye(n + padding, dtype=torch.bool)
+    allowed[:n, :n] = tree.ancestor_mask()
+    return allowed
+
+
+class TransformersCache:
+    """transformers' DynamicCache behind the interface of fast_decoder.StaticKVCache."""
+
+    def __init__(self, config):
+        from transformers import DynamicCache
+
+        self.inner = DynamicCache(config=config)
+
+    @property
+    def length(self) -> int:
+        return self.inner.get_seq_length()
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def crop(self, length: int) -> None:
+        crop_cache(self.inner, length)
+
+    def keep_path(self, past_len: int, path: list[int]) -> None:
+        keep_path_in_cache(self.inner, past_len, path)
 
 
 def accept(

@@ -134,7 +134,7 @@ def test_oracle_long_paths_are_lossless_and_cache_matches_plain(target, engine, 
         plain_cache = engine.prefix.cache
         n = plain_cache.get_seq_length()
         assert spec_cache.get_seq_length() >= n
-        for a, b in zip(spec_cache.layers, plain_cache.layers):
+        for a, b in zip(spec_cache.inner.layers, plain_cache.inner.layers):  # transformers' DynamicCache
             torch.testing.assert_close(a.keys[:, :, :n], b.keys, atol=1e-5, rtol=1e-4)
             torch.testing.assert_close(a.values[:, :, :n], b.values, atol=1e-5, rtol=1e-4)
 

@@ -1,0 +1,246 @@
+"""A lean decoder for Llama-family targets: what the engine runs where the architecture allows.
+
+transformers' forward is general, and a small model pays for that on every pass: ~20 Python
+ops per layer of dispatch, masks built over the whole context, a cache that grows by
+concatenation (every step copies every layer's keys and values). This file does the same
+arithmetic as transformers' Llama (RMSNorm, rotary positions, grouped-query attention, SiLU
+MLP) with:
+- a KV cache allocated once for the context (`StaticKVCache`), grown by doubling only when a
+  long chat outgrows it; keeping a tree's accepted path moves its entries in place;
+- q/k/v and gate/up fused into one matrix each: two products fewer per layer;
+- tree attention over the cached prefix without a mask over it: the mask covers the tree's
+  own rows only, so its cost does not grow with the context (`tree_mask`);
+- weights in the precision chosen at load (quantize.py), applied once, invisible here.
+
+`FastDecoder.from_model` builds one from a loaded transformers model, or returns the reason it
+cannot (another architecture, rotary scaling, sliding windows): the engine then keeps the
+generic transformers path, with the same event stream (verify.TargetPasses).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class StaticKVCache:
+    """Keys and values of every layer, (layers, kv_heads, capacity, head_dim), and how many
+    positions hold real entries. The tree's rows are written after `length` and dropped or
+    moved down by `keep_path`; nothing is ever concatenated."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype, device, capacity: int = 512):
+        shape = (layers, kv_heads, capacity, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[2]
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def reserve(self, needed: int) -> None:
+        """Room for `needed` positions: doubling, so a long chat re-allocates a few times at most."""
+        if needed <= self.capacity:
+            return
+        capacity = self.capacity
+        while capacity < needed:
+            capacity *= 2
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = old.new_zeros(old.shape[0], old.shape[1], capacity, old.shape[3])
+            new[:, :, : self.length] = old[:, :, : self.length]
+            setattr(self, name, new)
+
+    def crop(self, length: int) -> None:
+        self.length = min(self.length, length)
+
+    def keep_path(self, past_len: int, path: list[int]) -> None:
+        """Keep the context and the accepted path's entries (tree nodes `path`, written at
+        past_len + node); the rest of the tree is left behind `length` to be overwritten."""
+        if path != list(range(len(path))):
+            rows = torch.tensor(path, device=self.keys.device) + past_len
+            end = past_len + len(path)
+            # Advanced indexing copies first, so overlapping source and target rows are safe.
+            self.keys[:, :, past_len:end] = self.keys[:, :, rows]
+            self.values[:, :, past_len:end] = self.values[:, :, rows]
+        self.length = past_len + len(path)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # As transformers' LlamaRMSNorm: in float32, then back to the activations' dtype.
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary positions, transformers' half-split layout: x * cos + rotate_half(x) * sin."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class FastLayer(nn.Module):
+    def __init__(self, layer, shape: dict):
+        super().__init__()
+        attn, mlp = layer.self_attn, layer.mlp
+        self.heads, self.kv_heads, self.head_dim = shape["heads"], shape["kv_heads"], shape["head_dim"]
+        self.eps = shape["eps"]
+        self.attn_norm = _copy(layer.input_layernorm.weight)
+        self.mlp_norm = _copy(layer.post_attention_layernorm.weight)
+        self.qkv = fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.q_norm = _copy(getattr(getattr(attn, "q_norm", None), "weight", None))  # Qwen3
+        self.k_norm = _copy(getattr(getattr(attn, "k_norm", None), "weight", None))
+        self.out = fuse_linears([attn.o_proj])
+        self.gate_up = fuse_linears([mlp.gate_proj, mlp.up_proj])
+        self.down = fuse_linears([mlp.down_proj])
+        self.scale = attn.scaling
+
+    def forward(self, x, cos, sin, cache: StaticKVCache, index: int, start: int, mask):
+        n, d = x.shape[0], self.head_dim
+        q, k, v = self.qkv(rms_norm(x, self.attn_norm, self.eps)).split(
+            [self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
+        q, k, v = q.view(n, self.heads, d), k.view(n, self.kv_heads, d), v.view(n, self.kv_heads, d)
+        if self.q_norm is not None:
+            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        end = start + n
+        cache.keys[index, :, start:end] = k.transpose(0, 1)
+        cache.values[index, :, start:end] = v.transpose(0, 1)
+        # Query heads sharing a KV head stacked along the query axis: one SDPA call per KV head
+        # over the cache as it lies, no copy of it per query head (attention.py explains).
+        rep = self.heads // self.kv_heads
+        q = q.view(n, self.kv_heads, rep, d).permute(1, 2, 0, 3).reshape(self.kv_heads, rep * n, d)
+        attn = F.scaled_dot_product_attention(q, cache.keys[index, :, :end], cache.values[index, :, :end],
+                                              attn_mask=mask, scale=self.scale)
+        attn = attn.view(self.kv_heads, rep, n, d).permute(2, 0, 1, 3).reshape(n, self.heads * d)
+        x = x + self.out(attn)
+        gate, up = self.gate_up(rms_norm(x, self.mlp_norm, self.eps)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+class FastDecoder(nn.Module):
+    """The decoder stack (embedding -> layers -> final norm) over a StaticKVCache."""
+
+    def __init__(self, model):
+        super().__init__()
+        config, base = model.config, model.base_model
+        self.shape = decoder_shape(config)
+        # The embedding is shared with the transformers model (a lookup: its rows are cast to
+        # the decoder's dtype); everything else is the decoder's own copy, so turning it into
+        # another precision (quantize.py) leaves the transformers model as it was.
+        self.embed = base.embed_tokens
+        self.layers = nn.ModuleList(FastLayer(layer, self.shape) for layer in base.layers)
+        self.norm = _copy(base.norm.weight)
+        self.lm_head = fuse_linears([model.get_output_embeddings()])
+        self.rope = RotaryTable(self.shape["head_dim"], self.shape["rope_theta"])
+
+    @classmethod
+    def from_model(cls, model) -> tuple[FastDecoder | None, str]:
+        """(decoder, "") or (None, why the generic transformers path stays)."""
+        why = unsupported_reason(model)
+        return (None, why) if why else (cls(model), "")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.norm.dtype
+
+    def new_cache(self, capacity: int = 512) -> StaticKVCache:
+        s = self.shape
+        return StaticKVCache(len(self.layers), s["kv_heads"], s["head_dim"], self.dtype, self.norm.device, capacity)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache,
+                ancestors: torch.Tensor | None = None) -> torch.Tensor:
+        """Features (n, H) of `tokens`, written into the cache after its `length` entries.
+
+        ancestors: (n, n) bool, which of the new rows each row sees (a tree's ancestor mask,
+        itself included); None = causal (prefill, one token). The cache's length grows by n;
+        a tree pass is trimmed to its accepted path afterwards (StaticKVCache.keep_path)."""
+        n, start = len(tokens), cache.length
+        cache.reserve(start + n)
+        cos, sin = self.rope(positions, self.dtype)
+        mask = self._mask(n, start, ancestors)
+        x = self.embed(tokens).to(self.dtype)
+        for index, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache, index, start, mask)
+        cache.length = start + n  # as a transformers cache: the new rows are in, kept or not
+        return rms_norm(x, self.norm, self.shape["eps"])
+
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(features).float()
+
+    def _mask(self, n: int, start: int, ancestors: torch.Tensor | None) -> torch.Tensor | None:
+        """SDPA's boolean mask (rep * n, start + n) or None when every row sees everything."""
+        if n == 1:
+            return None  # one new token sees the whole cache and itself
+        own = ancestors if ancestors is not None else torch.ones(n, n, dtype=torch.bool).tril()
+        rep = self.shape["heads"] // self.shape["kv_heads"]
+        mask = torch.ones(n, start + n, dtype=torch.bool)
+        mask[:, start:] = own
+        return mask.repeat(rep, 1).to(self.norm.device)
+
+
+class RotaryTable(nn.Module):
+    """cos/sin per position, as transformers computes them (float32, then the model's dtype)."""
+
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+
+    def forward(self, positions: torch.Tensor, dtype):
+        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        # (n, 1, d): broadcast over the heads of (n, heads, d)
+        return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+
+
+def decoder_shape(config) -> dict:
+    heads = config.num_attention_heads
+    rope = getattr(config, "rope_parameters", None) or {}
+    return {
+        "heads": heads,
+        "kv_heads": getattr(config, "num_key_value_heads", None) or heads,
+        "head_dim": getattr(config, "head_dim", None) or config.hidden_size // heads,
+        "eps": config.rms_norm_eps,
+        "rope_theta": rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)),
+    }
+
+
+def unsupported_reason(model) -> str:
+    config = model.config
+    kind = getattr(config, "model_type", "?")
+    if kind not in SUPPORTED_TYPES:
+        return f"the fast decoder covers {', '.join(SUPPORTED_TYPES)} models, not {kind}"
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") != "default":
+        return f"rotary scaling {rope.get('rope_type')!r} is not covered by the fast decoder"
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return "sliding-window attention is not covered by the fast decoder"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r} is not covered by the fast decoder"
+    if any(type(m).__name__.startswith("Linear8bit") or type(m).__name__.startswith("Linear4bit")
+           for m in model.modules()):
+        return "bitsandbytes layers keep the transformers path"
+    return ""
+
+
+def _copy(weight: torch.Tensor | None) -> nn.Parameter | None:
+    return None if weight is None else nn.Parameter(weight.detach().clone(), requires_grad=False)
+
+
+def fuse_linears(linears: list[nn.Module]) -> nn.Linear:
+    """A new nn.Linear whose output is the given layers' outputs side by side (one layer: a copy).
+    Any layer with an (out, in) `weight` will do, cpu_matmul's layouts included."""
+    weight = torch.cat([layer.weight.detach() for layer in linears]).contiguous()
+    biases = [layer.bias for layer in linears]
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=biases[0] is not None,
+                      dtype=weight.dtype, device=weight.device)
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    if biases[0] is not None:
+        fused.bias = nn.Parameter(torch.cat([b.detach() for b in biases]), requires_grad=False)
+    return fused

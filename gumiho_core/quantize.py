@@ -1,0 +1,124 @@
+"""Weight precision of the fast decoder, applied once at load time through PyTorch's own kernels.
+
+A small model's decoding pass is bound by reading its weights: SmolLM2-135M is 540 MB in
+float32, read once per pass. Weight-only quantization stores them smaller and multiplies
+with activations in bfloat16 (the CPU's AVX512-BF16 / AMX units; a GPU's tensor cores):
+- "int8": one int8 per weight, one scale per output row (`aten._weight_int8pack_mm`, the
+  kernel gpt-fast's int8 mode uses); 4x less to read than float32;
+- "int4": 4-bit weights in groups of 32 along the input, each group with its own scale and
+  offset (`aten._weight_int4pack_mm_for_cpu` / `_weight_int4pack_mm` on CUDA). This is the
+  layout of the default GGUF's Q4_1 blocks (4-bit, asymmetric, groups of 32): quantizing the
+  weights that file de-quantized to recovers its own grid;
+- "bfloat16": the weights halved in size, no quantization;
+- "float32": the weights as loaded, in the CPU-friendly layouts of cpu_matmul.py.
+
+Only the fast decoder's linear layers and its lm_head change; norms and the rotary table
+stay exact, and every pass - plain or speculative - runs the same kernels, so speculative
+output still equals plain output of the same precision (see README for row counts).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from .cpu_matmul import use_fast_cpu_layouts
+from .errors import GumihoError
+
+PRECISIONS = ("float32", "bfloat16", "int8", "int4")
+INT4_GROUP = 32
+
+
+class Int8WeightOnlyLinear(nn.Module):
+    """y = x @ (int8 weight * per-row scale).T, activations in bfloat16."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        w = linear.weight.detach().float()
+        scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+        self.register_buffer("weight", torch.round(w / scales[:, None]).clamp(-128, 127).to(torch.int8))
+        self.register_buffer("scales", scales.to(torch.bfloat16))
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().bfloat16(), False)
+        self.out_features = w.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        y = torch.ops.aten._weight_int8pack_mm(rows, self.weight, self.scales)
+        y = y if self.bias is None else y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+class Int4WeightOnlyLinear(nn.Module):
+    """4-bit weights in groups of 32 inputs, each group w = (q - 8) * scale + zero."""
+
+    def __init__(self, linear: nn.Linear, group: int = INT4_GROUP):
+        super().__init__()
+        w = linear.weight.detach().float()
+        out_features, in_features = w.shape
+        groups = w.reshape(out_features, in_features // group, group)
+        low, high = groups.amin(-1), groups.amax(-1)
+        scales = ((high - low) / 15).clamp(min=1e-12)
+        q = torch.round((groups - low[..., None]) / scales[..., None]).clamp(0, 15).to(torch.int32)
+        # The kernel reads w = (q - 8) * scale + zero, so zero = low + 8 * scale.
+        scales_and_zeros = torch.stack([scales, low + 8 * scales], dim=-1).transpose(0, 1).contiguous()
+        self.cuda = w.is_cuda
+        q = q.reshape(out_features, in_features)
+        self.register_buffer("weight", self._pack(q))
+        self.register_buffer("scales_and_zeros", scales_and_zeros.to(torch.bfloat16))
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().bfloat16(), False)
+        self.out_features, self.group = out_features, group
+
+    def _pack(self, q: torch.Tensor) -> torch.Tensor:
+        if self.cuda:
+            as_bytes = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
+            return torch.ops.aten._convert_weight_to_int4pack(as_bytes, 8)
+        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if self.cuda:
+            y = torch.ops.aten._weight_int4pack_mm(rows, self.weight, self.group, self.scales_and_zeros)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.weight, self.group, self.scales_and_zeros)
+        y = y if self.bias is None else y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+def check_precision(precision: str, device: str = "cpu") -> None:
+    """A clear line for a precision this machine cannot run (before anything loads)."""
+    if precision not in PRECISIONS:
+        raise GumihoError(f"unknown precision {precision!r}: use one of {', '.join(PRECISIONS)}")
+    if precision in ("int8", "int4", "bfloat16") and device == "cpu" and not bf16_on_cpu():
+        raise GumihoError(f"{precision} needs a CPU with bfloat16 support (AVX512-BF16 or AMX); "
+                          "this one has none: use float32")
+
+
+def bf16_on_cpu() -> bool:
+    """oneDNN's own test: native bfloat16 (AVX512-BF16 / AMX) or at least AVX-512 to emulate it."""
+    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def apply_precision(decoder: nn.Module, precision: str) -> None:
+    """Turn every linear layer of `decoder` (and its lm_head) into `precision`, in place."""
+    if precision == "float32":
+        use_fast_cpu_layouts(decoder) if _on_cpu(decoder) else None
+        return
+    decoder.to(torch.bfloat16)  # norms, embedding, biases: bfloat16 activations throughout
+    if precision == "bfloat16":
+        return
+    layer_type = Int8WeightOnlyLinear if precision == "int8" else Int4WeightOnlyLinear
+    for parent in list(decoder.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear and _quantizable(child, precision):
+                setattr(parent, name, layer_type(child))
+
+
+def _quantizable(linear: nn.Linear, precision: str) -> bool:
+    # int4 packs groups of 32 inputs and tiles of output rows; a layer that does not divide
+    # evenly stays in bfloat16 (none in Llama-family models of usual sizes).
+    if precision == "int4":
+        return linear.in_features % INT4_GROUP == 0 and linear.out_features % 8 == 0
+    return True
+
+
+def _on_cpu(module: nn.Module) -> bool:
+    return next(module.parameters()).device.type == "cpu"

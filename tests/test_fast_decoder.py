@@ -1,0 +1,127 @@
+"""The fast decoder (fast_decoder.py) in every precision it offers (quantize.py).
+
+Lossless is checked the same way as for the transformers path: speculative == plain, token
+for token under greedy, with untrained heads and with an oracle drafter that drives long
+accepted paths through the static cache's in-place moves. In float32 the fast decoder does
+transformers' arithmetic, so it also matches transformers' own `generate`.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from gumiho_core import Engine, GenerationSettings, TreeSettings, new_heads, run_to_end
+from gumiho_core.errors import GumihoError
+from gumiho_core.fast_decoder import FastDecoder, StaticKVCache
+from gumiho_core.quantize import PRECISIONS, check_precision
+from gumiho_core.target import Target, attach_fast_decoder
+from gumiho_core.verify import TransformersCache
+from test_engine_lossless import OracleDrafter
+from tiny import hf_greedy, random_prompts, tiny_target, tiny_tokenizer
+
+TREE = TreeSettings(top_k=3, total_tokens=10, depth=4, mlp_topk=2, pruning=4, fta=True, fta_tokens=2)
+
+
+def fast_target(precision: str, seed: int = 0) -> Target:
+    return attach_fast_decoder(tiny_target(seed=seed, eos=False), precision)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_speculative_equals_plain_in_every_precision(precision):
+    target = fast_target(precision)
+    assert target.fast is not None
+    engine = Engine(target, new_heads(target))
+    for prompt in random_prompts(5, seed=3):
+        spec = run_to_end(engine, prompt, GenerationSettings(max_new_tokens=24, tree=TREE))
+        plain = run_to_end(engine, prompt, GenerationSettings(max_new_tokens=24, speculative=False))
+        assert spec.token_ids == plain.token_ids
+
+
+def test_float32_fast_decoder_is_transformers_arithmetic():
+    target = fast_target("float32")
+    engine = Engine(target, new_heads(target))
+    for prompt in random_prompts(6, seed=5):
+        spec = run_to_end(engine, prompt, GenerationSettings(max_new_tokens=24, tree=TREE))
+        assert spec.token_ids == hf_greedy(target, prompt, 24)
+
+
+@pytest.mark.parametrize("precision", ["float32", "int8"])
+def test_static_cache_after_long_paths_equals_plain_decoding(precision):
+    """The oracle's long accepted paths (often not the tree's first nodes) are moved in place;
+    the cache afterwards must hold what plain decoding wrote, position by position."""
+    target = fast_target(precision)
+    engine, oracle = Engine(target, None), OracleDrafter()
+    for i, prompt in enumerate(random_prompts(6, seed=11)):
+        reference = run_to_end(engine, prompt, GenerationSettings(max_new_tokens=50, speculative=False),
+                               reuse_prefix=False)
+        plain_cache = engine.prefix.cache
+        oracle.update(truth=reference.token_ids + [5] * 10, rng=random.Random(i), size=4 + 3 * i, depth=1 + i % 6)
+        spec = run_to_end(engine, prompt, GenerationSettings(max_new_tokens=50), drafter=oracle, reuse_prefix=False)
+        assert spec.token_ids == reference.token_ids
+        assert spec.stats.tau > 1.5, "the oracle should produce long accepted paths"
+        spec_cache, n = engine.prefix.cache, plain_cache.length
+        assert isinstance(spec_cache, StaticKVCache) and spec_cache.length >= n
+        tolerance = {} if precision == "float32" else {"atol": 2e-2, "rtol": 2e-2}
+        torch.testing.assert_close(spec_cache.keys[:, :, :n], plain_cache.keys[:, :, :n], **tolerance)
+        torch.testing.assert_close(spec_cache.values[:, :, :n], plain_cache.values[:, :, :n], **tolerance)
+
+
+def test_prefix_reuse_across_turns_on_the_static_cache():
+    target = fast_target("float32")
+    engine = Engine(target, new_heads(target))
+    turn1 = random_prompts(1, seed=2)[0]
+    first = run_to_end(engine, turn1, GenerationSettings(max_new_tokens=12, tree=TREE))
+    turn2 = turn1 + first.token_ids + [7, 8, 9]
+    again = run_to_end(engine, turn2, GenerationSettings(max_new_tokens=15, tree=TREE))
+    assert again.stats.reused_prompt_tokens > len(turn1)
+    assert again.token_ids == hf_greedy(target, turn2, 15)
+
+
+def test_static_cache_grows_past_its_first_capacity():
+    target = fast_target("float32")
+    engine = Engine(target, None)
+    prompt = random_prompts(1, seed=4, lo=300, hi=301)[0]
+    done = run_to_end(engine, prompt, GenerationSettings(max_new_tokens=40, speculative=False))
+    assert engine.prefix.cache.capacity >= len(prompt) + 40 > 512 // 2
+    assert done.token_ids == hf_greedy(target, prompt, 40)
+
+
+def test_transformers_path_has_the_same_cache_interface():
+    target = tiny_target(seed=0, eos=False)
+    engine = Engine(target, new_heads(target))
+    prompt = random_prompts(1, seed=9)[0]
+    run_to_end(engine, prompt, GenerationSettings(max_new_tokens=10, tree=TREE))
+    assert isinstance(engine.prefix.cache, TransformersCache)
+    assert engine.prefix.cache.length == len(engine.prefix.ids)
+
+
+def test_an_architecture_it_does_not_cover_keeps_the_transformers_path():
+    config = GPT2Config(vocab_size=96, n_embd=32, n_layer=1, n_head=2, n_positions=64)
+    target = Target(model=GPT2LMHeadModel(config).eval(), tokenizer=tiny_tokenizer(), name="tiny-gpt2")
+    attach_fast_decoder(target, "int8")
+    assert target.fast is None
+    assert "gpt2" in target.fast_note and "\n" not in target.fast_note
+    engine = Engine(target, None)
+    prompt = random_prompts(1, seed=1)[0]
+    assert run_to_end(engine, prompt, GenerationSettings(max_new_tokens=5, speculative=False)).token_ids
+
+
+def test_rotary_scaling_is_refused_by_the_fast_decoder():
+    target = tiny_target(seed=0)
+    target.model.config.rope_parameters = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0}
+    decoder, why = FastDecoder.from_model(target.model)
+    assert decoder is None and "yarn" in why
+
+
+def test_a_precision_the_cpu_cannot_run_is_one_clear_line(monkeypatch):
+    from gumiho_core import quantize
+
+    monkeypatch.setattr(quantize, "bf16_on_cpu", lambda: False)
+    with pytest.raises(GumihoError, match="int8 needs a CPU with bfloat16 support"):
+        check_precision("int8")
+    check_precision("float32")  # always runs
+    with pytest.raises(GumihoError, match="unknown precision"):
+        check_precision("int3")
