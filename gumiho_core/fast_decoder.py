@@ -131,10 +131,10 @@ class FastDecoder(nn.Module):
         super().__init__()
         config, base = model.config, model.base_model
         self.shape = decoder_shape(config)
-        # The embedding is shared with the transformers model (a lookup: its rows are cast to
-        # the decoder's dtype); everything else is the decoder's own copy, so turning it into
-        # another precision (quantize.py) leaves the transformers model as it was.
-        self.embed = base.embed_tokens
+        # The embedding table is shared with the transformers model, as a plain tensor so that
+        # changing the decoder's precision (quantize.py) never touches it: a lookup, its rows
+        # cast to the decoder's dtype. Everything else is the decoder's own copy.
+        self.embedding = base.embed_tokens.weight.detach()
         self.layers = nn.ModuleList(FastLayer(layer, self.shape) for layer in base.layers)
         self.norm = _copy(base.norm.weight)
         self.lm_head = fuse_linears([model.get_output_embeddings()])
@@ -165,7 +165,7 @@ class FastDecoder(nn.Module):
         cache.reserve(start + n)
         cos, sin = self.rope(positions, self.dtype)
         mask = self._mask(n, start, ancestors)
-        x = self.embed(tokens).to(self.dtype)
+        x = F.embedding(tokens, self.embedding).to(self.dtype)
         for index, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache, index, start, mask)
         cache.length = start + n  # as a transformers cache: the new rows are in, kept or not

@@ -14,7 +14,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF folder, .gguf file or hub id (default: embedded SmolLM2-135M)")
     p.add_argument("--heads", default=None, help="heads checkpoint folder (default: shipped heads for the default model)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    p.add_argument("--quantize", default=None, choices=["4bit", "8bit"], help="bitsandbytes quantization")
+    p.add_argument("--quantize", default=None, choices=["int8", "int4", "4bit", "8bit"],
+                   help="weight-only int8 / int4 on the fast decoder (PyTorch's kernels, CPU or GPU), "
+                        "or bitsandbytes 4bit / 8bit (CUDA)")
+    p.add_argument("--no-fast", dest="fast", action="store_false",
+                   help="run every pass through transformers' forward instead of the fast decoder")
     p.add_argument("--device", default="cpu", help="cpu, cuda or auto")
 
 
@@ -52,7 +56,7 @@ def check_tree(args) -> TreeSettings:
 def engine_from_args(args, need_heads: bool = True):
     """(engine, heads note) for the model flags."""
     return loading.load_engine(args.model, args.heads, dtype=args.dtype, quantize=args.quantize,
-                               device=args.device, need_heads=need_heads)
+                               device=args.device, need_heads=need_heads, fast=args.fast)
 
 
 def tree_from_args(engine, args) -> TreeSettings:
