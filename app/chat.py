@@ -22,6 +22,14 @@ from .render import step_from_event
 from .store import ExportFolder, Store, StoreError
 
 
+# The Settings panel's ranges, and what every front end (UI, /chat, OpenAI) accepts, so a
+# number typed past a slider's end is refused in words rather than answered as noise.
+# Temperature stops at 2 as OpenAI's does: past it a small model's answer is noise. Max new
+# tokens stops at the model's context (ChatService.max_new_tokens_limit).
+TEMPERATURE_MAX = 2.0
+TOP_P_MIN = 0.01  # the slider's start; the engine takes anything above 0
+
+
 @dataclass
 class Options:
     """What the user set for one answer, as typed (a form's or a JSON body's values).
@@ -36,14 +44,20 @@ class Options:
     top_p: float = 1.0
     max_new_tokens: int = 256
 
-    def settings(self, tree: TreeSettings | None = None) -> GenerationSettings:
+    def settings(self, tree: TreeSettings | None = None, max_new_tokens_limit: int | None = None) -> GenerationSettings:
         """The engine's settings for these options; a one-line GumihoError naming a bad field."""
-        return settings_from_fields(
+        settings = settings_from_fields(
             max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
             speculative=self.speculative, tree=tree,
             # ChatService.fit drops whole turns first; the engine must never cut a prompt mid-template.
             on_overflow="error",
         )
+        if settings.sampling.temperature > TEMPERATURE_MAX:
+            raise GumihoError(f"temperature must be at most {TEMPERATURE_MAX:g} (got {self.temperature})")
+        if max_new_tokens_limit is not None and settings.max_new_tokens > max_new_tokens_limit:
+            raise GumihoError(f"max new tokens must be at most {max_new_tokens_limit}, the model's context "
+                              f"(got {settings.max_new_tokens})")
+        return settings
 
 
 # C0 and C1 control characters except tab and newline; DEL; lone surrogates (undecodable bytes).
@@ -155,6 +169,15 @@ class ChatService:
     def has_heads(self) -> bool:
         return self.engine.heads is not None
 
+    @property
+    def max_new_tokens_limit(self) -> int:
+        """The most new tokens an answer may ask for: the model's whole context."""
+        return self.engine.target.max_context
+
+    def settings(self, options: Options) -> GenerationSettings:
+        """The engine's settings for `options` with this model's tree and limits (GumihoError if out of range)."""
+        return options.settings(self.tree, self.max_new_tokens_limit)
+
     def prompt_ids(self, system: str, history: list[dict]) -> list[int]:
         """The whole conversation through the model's chat template (multi-turn context)."""
         messages = [{"role": "system", "content": system}] if system.strip() else []
@@ -242,7 +265,7 @@ class ChatService:
                settings: GenerationSettings | None = None, wait_timeout: float = 600.0) -> Iterator[Answer]:
         """Yield the growing Answer after each target pass; the last one has done=True.
 
-        `settings` are `options.settings(self.tree)`, passed in by a caller that built them
+        `settings` are `self.settings(options)`, passed in by a caller that built them
         already to check the options before storing anything; built here otherwise.
         Requests are served one at a time, first come first served; while one waits, the
         Answer it yields has `waiting` = how many are ahead. Never raises for generation
@@ -255,7 +278,7 @@ class ChatService:
         with self._running_lock:
             self._running.add(cancel)
         try:
-            settings = settings or options.settings(self.tree)
+            settings = settings or self.settings(options)
             if settings.speculative and not self.has_heads:
                 raise GumihoError("speculative decoding needs draft heads, and none are loaded")
             if self.closing.is_set():

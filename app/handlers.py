@@ -51,6 +51,20 @@ def in_words(handler):
     return wrapped
 
 
+def draw(st: dict, view_name, rej, messages: list[dict] | None = None) -> str:
+    """The chat of this state (or `messages`, e.g. with the answer still growing), carrying its
+    session id, which assets/app.js writes into the page address (/?session=ID)."""
+    session = "" if st["session_id"] is None else str(st["session_id"])
+    return render.chat_html(st["messages"] if messages is None else messages, view_name, rej, session=session)
+
+
+def legend(service: ChatService) -> str:
+    """The colour legend for the tree and heads answers use now (after a model load too)."""
+    heads = service.engine.heads
+    serial_depth = heads.config.serial_depth if heads is not None else 2
+    return render.legend_html(service.tree, serial_depth=serial_depth, has_heads=heads is not None)
+
+
 def sessions_update(service: ChatService, selected) -> dict:
     return gr.update(choices=session_choices(service), value=selected)
 
@@ -71,7 +85,7 @@ def read_options(service: ChatService, spec_on, system_text, temp, p, n) -> tupl
     """The panel's values as Options and the engine's settings; GumihoError for a bad value."""
     opts = Options(system=clean_text(system_text), speculative=bool(spec_on), temperature=temp, top_p=p,
                    max_new_tokens=n)
-    settings = opts.settings(service.tree)
+    settings = service.settings(opts)
     # The session row keeps the numbers the engine got, not the form's raw values.
     return replace(opts, temperature=settings.sampling.temperature, top_p=settings.sampling.top_p,
                    max_new_tokens=settings.max_new_tokens), settings
@@ -81,13 +95,20 @@ def settings_problem(exc: GumihoError) -> str:
     return f"**Settings: {render.esc(str(exc))}**"
 
 
+def auto_title(text: str) -> str:
+    """A new session's title: the start of its first message."""
+    return " ".join(text.split())[:48] or "New chat"
+
+
 def ensure_session(service: ChatService, st: dict, title: str, opts: Options) -> None:
     if service.store is None:
         return
     if st["session_id"] is None:
         st["session_id"] = service.store.create_session(
-            title[:48] or "New chat", model=service.model_name, heads=service.heads_note, settings=opts.__dict__,
+            auto_title(title), model=service.model_name, heads=service.heads_note, settings=opts.__dict__,
         )
+    elif st.pop("retitle", False):  # the first message was edited: the title follows it
+        service.store.update_session(st["session_id"], settings=opts.__dict__, title=auto_title(title))
     else:
         service.store.update_session(st["session_id"], settings=opts.__dict__)
 
@@ -143,7 +164,7 @@ def stream_answer(service: ChatService, st: dict, opts: Options, settings: Gener
                 continue
             shown = st["messages"] + [answer.as_message()]
             note = f"*generating…* {render.esc(answer.notice)}".strip()
-            yield render.chat_html(shown, view_name, rej), st, gr.skip(), note, gr.skip()
+            yield draw(st, view_name, rej, shown), st, gr.skip(), note, gr.skip()
     finally:
         # Also reached when the browser goes away mid-answer: the partial text is kept, as Stop keeps it.
         _cancels.pop(key, None)
@@ -158,7 +179,7 @@ def stream_answer(service: ChatService, st: dict, opts: Options, settings: Gener
         note = f"{note} **{render.esc(problem)}**".strip()
     if answer.notice:
         note = f"{note} {render.esc(answer.notice)}".strip()
-    yield (render.chat_html(st["messages"], view_name, rej), st, gr.skip(), note,
+    yield (draw(st, view_name, rej), st, gr.skip(), note,
            sessions_update(service, st["session_id"]))
 
 
@@ -182,7 +203,7 @@ def send(service: ChatService, text, st, spec_on, system_text, temp, p, n, view_
         yield gr.skip(), st, gr.skip(), not_stored(exc), gr.skip()
         return
     # The message is taken: empty the box once, now, and show it in the chat.
-    yield render.chat_html(st["messages"], view_name, rej), st, "", "*generating…*", gr.skip()
+    yield draw(st, view_name, rej), st, "", "*generating…*", gr.skip()
     yield from stream_answer(service, st, opts, settings, view_name, rej, request)
 
 
@@ -222,18 +243,22 @@ def edit_last(service: ChatService, st, view_name, rej):
     removed = st["messages"][cut:]
     if service.store:  # first: if the database refuses, the chat stays as it is
         service.store.delete_messages([m["id"] for m in removed if m.get("id")])
+        row = service.store.session(st["session_id"]) if st["session_id"] is not None else None
+        # Editing the first message of a session still titled after it: the next Send retitles it.
+        first = removed[0]["text"]
+        st["retitle"] = cut == 0 and row is not None and row["title"] in (auto_title(first), first[:48])
     st["messages"] = st["messages"][:cut]
-    return (render.chat_html(st["messages"], view_name, rej), st, removed[0]["text"],
+    return (draw(st, view_name, rej), st, removed[0]["text"],
             "Edit the message and press Send.")
 
 
 def clear(view_name, rej):
     """A fresh chat: (chat, state, message box, status, sessions list, compare box)."""
-    return render.chat_html([], view_name, rej), new_state(), "", "", gr.update(value=None), ""
+    return draw(new_state(), view_name, rej), new_state(), "", "", gr.update(value=None), ""
 
 
 def redraw(st, view_name, rej):
-    return render.chat_html(st["messages"], view_name, rej)
+    return draw(st, view_name, rej)
 
 
 def compare(service: ChatService, text, st, system_text, n, view_name, rej):
@@ -259,7 +284,7 @@ def compare(service: ChatService, text, st, system_text, n, view_name, rej):
     if not st["messages"]:
         yield gr.skip(), st, gr.skip(), "Type a prompt to compare.", gr.skip(), ""
         return
-    yield (render.chat_html(st["messages"], view_name, rej), st, "", "*comparing: plain, then Gumiho…*",
+    yield (draw(st, view_name, rej), st, "", "*comparing: plain, then Gumiho…*",
            gr.skip(), "")
     plain, gumiho = service.compare(st["messages"], opts)
     problem = keep_answer(service, st, gumiho, True)
@@ -269,17 +294,18 @@ def compare(service: ChatService, text, st, system_text, n, view_name, rej):
                                     model=service.model_name)
         except StoreWriteError as exc:
             problem = f"{exc}: the plain run's stats were not saved."
-    yield (render.chat_html(st["messages"], view_name, rej), st, "", f"**{render.esc(problem)}**" if problem else "",
+    yield (draw(st, view_name, rej), st, "", f"**{render.esc(problem)}**" if problem else "",
            sessions_update(service, st["session_id"]), render.compare_html(plain, gumiho))
 
 
 def load_model(service: ChatService, path, heads):
-    """The Model accordion: (model note, speculative checkbox)."""
+    """The Model accordion: (model note, speculative checkbox, legend, max new tokens slider)."""
     try:
         service.load_model(path, heads)
     except GumihoError as exc:  # not a model, unreadable, mismatched: the old model stays
-        return f"**error:** {render.esc(str(exc))}", gr.skip()
-    return model_note(service), gr.update(value=service.has_heads)
+        return f"**error:** {render.esc(str(exc))}", gr.skip(), gr.skip(), gr.skip()
+    return (model_note(service), gr.update(value=service.has_heads), legend(service),
+            gr.update(maximum=service.max_new_tokens_limit))
 
 
 def model_note(service: ChatService) -> str:
@@ -301,7 +327,21 @@ def open_session(service: ChatService, session_id, view_name, rej):
         return gr.skip(), gr.skip(), "Session not found.", gr.skip()
     st = {"session_id": row["id"], "messages": load_messages(service, row["id"])}
     system_text = row["settings"].get("system", gr.skip())
-    return render.chat_html(st["messages"], view_name, rej), st, "", system_text
+    return draw(st, view_name, rej), st, "", system_text
+
+
+def open_address(service: ChatService, view_name, rej, request: gr.Request | None):
+    """Page load: (sessions list, chat, state, status, system prompt), with the session the
+    address names (/?session=ID) open, so a reload or a bookmark comes back to it."""
+    wanted = (request.query_params.get("session") if request is not None else None) or ""
+    if not wanted or service.store is None:
+        return list_sessions(service), gr.skip(), gr.skip(), gr.skip(), gr.skip()
+    row = service.store.session(int(wanted)) if wanted.isdigit() else None
+    if row is None:  # deleted, or a mistyped address: a fresh chat (app.js clears the address)
+        return (list_sessions(service), draw(new_state(), view_name, rej), new_state(),
+                f"Session {render.esc(wanted[:20])} was not found: it may have been deleted.", gr.skip())
+    log, st, status, system_text = open_session(service, row["id"], view_name, rej)
+    return sessions_update(service, row["id"]), log, st, status, system_text
 
 
 @in_words
@@ -315,12 +355,23 @@ def rename(service: ChatService, session_id, title, st):
 
 @in_words
 def delete(service: ChatService, session_id, st, view_name, rej):
+    """(sessions list, state, chat, status, Delete button). The first press asks; the second,
+    on the same session, deletes it with its messages (nothing can bring it back)."""
     if session_id is None:
-        return gr.skip(), st, gr.skip(), "Pick a session to delete."
-    service.store.delete_session(int(session_id))
-    if st["session_id"] == int(session_id):
+        return gr.skip(), st, gr.skip(), "Pick a session to delete.", gr.skip()
+    row = service.store.session(int(session_id))
+    if row is None:
+        return sessions_update(service, st["session_id"]), st, gr.skip(), "Session not found.", gr.skip()
+    if st.get("confirm_delete") != row["id"]:
+        st["confirm_delete"] = row["id"]
+        return (gr.skip(), st, gr.skip(), f"Delete “{render.esc(row['title'])}” and its messages? "
+                "Press **Confirm delete** to delete it; it cannot be undone.", gr.update(value="Confirm delete"))
+    service.store.delete_session(row["id"])
+    st.pop("confirm_delete", None)
+    if st["session_id"] == row["id"]:
         st = new_state()
-    return sessions_update(service, st["session_id"]), st, render.chat_html(st["messages"], view_name, rej), "Deleted."
+    return (sessions_update(service, st["session_id"]), st, draw(st, view_name, rej), "Deleted.",
+            gr.update(value="Delete"))
 
 
 def export(service: ChatService, session_id, kind: str) -> str | None:

@@ -276,7 +276,7 @@ class Reply:
     def checked(cls, service: ChatService, req: ChatRequest) -> "Reply":
         """Settings built and the prompt fitted once, now: every refusal is a 400 before anything runs."""
         try:
-            settings = req.options.settings(service.tree).with_(stop_strings=req.stop)
+            settings = service.settings(req.options).with_(stop_strings=req.stop)
             if req.seed is not None:
                 settings = settings.with_(sampling=replace(settings.sampling, seed=req.seed))
                 if settings.speculative and not settings.sampling.greedy:

@@ -33,14 +33,17 @@ from markdown_it import MarkdownIt
 # commonmark with raw HTML off: `<b>` in model text stays text. Tables are handy in answers.
 _markdown = MarkdownIt("commonmark", {"html": False, "linkify": False}).enable("table")
 
+# One line each: the legend's tooltips, and what hovering over a token says.
 ORIGIN_LABELS = {
-    "serial": "serial head (accepted)",
-    "mlp": "MLP head (accepted, darker = deeper)",
-    "fta": "Full Tree Attention supplement (accepted)",
-    "lookup": "copied from earlier in the conversation (accepted)",
-    "target": "target model's own token",
-    "rejected": "rejected draft candidate",
+    "serial": "Guessed by the serial draft head, accepted by the model.",
+    "mlp": "Guessed by an MLP draft head (darker = deeper), accepted by the model.",
+    "fta": "Added to a short draft path by Full Tree Attention, accepted by the model.",
+    "lookup": "Copied from earlier in the conversation (context lookup), accepted by the model.",
+    "target": "The model's own token: every forward pass adds one.",
+    "rejected": "A draft the model refused (small and struck through, with \"Show rejected drafts\").",
 }
+ORIGIN_NAMES = {"serial": "serial head", "mlp": "MLP head", "fta": "FTA", "lookup": "context lookup",
+                "target": "target"}
 MAX_SHADE = 7  # MLP depths beyond this share the darkest shade
 
 # A fenced block: ``` or ~~~ at a line start, up to the closing fence or the end of the
@@ -68,6 +71,35 @@ def _code_ranges(text: str) -> list[tuple[int, int]]:
     return [m.span() for m in _FENCE.finditer(text)]
 
 
+def _token_title(origin: str, depth: int, refused: list[str]) -> str:
+    """What hovering over a token says, on one line: its source, depth, and the drafts refused there."""
+    title = ORIGIN_NAMES.get(origin, origin) + (f", depth {depth}" if depth else "")
+    if refused:
+        title += " · rejected: " + " | ".join(f"“{readable(r)}”" for r in refused)
+    return title
+
+
+# Special tokens as the tokenizer spells them ("<|im_end|>"), and the words shown for them.
+_SPECIAL = re.compile(r"<\|([A-Za-z0-9_]{1,40})\|>")
+SPECIAL_NAMES = {"im_end": "end of turn", "eot_id": "end of turn", "im_start": "turn start",
+                 "endoftext": "end of text", "end_of_text": "end of text"}
+
+
+def readable(draft: str) -> str:
+    """A rejected draft as a reader can take it in: special tokens as ⟨words⟩, line breaks as ↵.
+
+    Only for drafts the model refused (never for the answer itself, which is the model's text):
+    a raw "<|im_end|>" or a line break inside a small struck-out alternative breaks the reading.
+    """
+    text = _SPECIAL.sub(lambda m: f"⟨{SPECIAL_NAMES.get(m.group(1), m.group(1))}⟩", draft)
+    text = text.replace("\r\n", "↵").replace("\n", "↵").replace("\t", "⇥")
+    return text if text.strip() else "␣" * len(text)
+
+
+def _rejected_html(draft: str) -> str:
+    return f'<s class="rej" title="rejected draft">{esc(readable(draft))}</s>'
+
+
 def _token_class(origin: str, depth: int) -> str:
     if origin == "mlp":
         return f"tok o-mlp d{min(max(depth, 1), MAX_SHADE)}"
@@ -85,12 +117,10 @@ def colour_html(steps: list[dict]) -> str:
     for step in steps:
         rejected = [r for r in step.get("rejected", []) if r]
         for text, origin, depth in step.get("tokens", []):
-            title = f"{origin}" + (f" depth {depth}" if depth else "")
-            if origin == "target" and rejected:
-                title += " · rejected: " + " | ".join(repr(r) for r in rejected)
-                for r in rejected:
-                    pieces.append((r, "rej", "rejected draft"))
-            pieces.append((text, _token_class(origin, depth), title))
+            refused = rejected if origin == "target" else []
+            for r in refused:
+                pieces.append((r, "rej", "rejected draft"))
+            pieces.append((text, _token_class(origin, depth), _token_title(origin, depth, refused)))
 
     # Where fenced code lies in the accepted text (rejected pieces are not part of it).
     accepted = "".join(t for t, cls, _ in pieces if cls != "rej")
@@ -111,7 +141,7 @@ def colour_html(steps: list[dict]) -> str:
 
     for text, cls, title in pieces:
         if cls == "rej":
-            out.append(f'<s class="rej" title="{esc(title)}">{esc(text)}</s>')
+            out.append(_rejected_html(text))
             continue
         start, end = offset, offset + len(text)
         cuts = [start, *boundaries_within(start, end), end]
@@ -205,7 +235,7 @@ class _Colourer(HTMLParser):
             self._text(data[pos:m.start()])
             self.current = _marker_index(m)
             for r in self.tokens[self.current][2]:
-                self.out.append(f'<s class="rej" title="rejected draft">{esc(r)}</s>')
+                self.out.append(_rejected_html(r))
             pos = m.end()
         self._text(data[pos:])
 
@@ -227,11 +257,8 @@ def coloured_markdown_html(steps: list[dict]) -> str:
     for step in steps:
         rejected = [r for r in step.get("rejected", []) if r]
         for text, origin, depth in step.get("tokens", []):
-            title = f"{origin}" + (f" depth {depth}" if depth else "")
             refused = rejected if origin == "target" else []
-            if refused:
-                title += " · rejected: " + " | ".join(repr(r) for r in refused)
-            tokens.append((text, _token_class(origin, depth), refused, title))
+            tokens.append((text, _token_class(origin, depth), refused, _token_title(origin, depth, refused)))
     marked, length = [], 0
     full = "".join(t[0] for t in tokens)
     bodies = _fence_bodies(full)
@@ -267,17 +294,47 @@ def compare_html(plain, gumiho) -> str:
     )
 
 
-def legend_html() -> str:
-    items = [
-        ("tok o-serial", "serial head"),
-        *[(f"tok o-mlp d{d}", f"MLP d{d}") for d in (3, 5, 7)],
-        ("tok o-fta", "FTA"),
-        ("tok o-lookup", "context lookup"),
-        ("tok o-target", "target"),
-        ("rej", "rejected draft"),
-    ]
-    spans = "".join(f'<span class="legend-item"><span class="{c}">{esc(label)}</span></span>' for c, label in items)
-    return f'<div class="legend" id="legend"><b>Token origin:</b> {spans}</div>'
+def legend_chips(tree=None, serial_depth: int = 2, has_heads: bool = True) -> list[tuple[str, str, str, bool]]:
+    """(css class, label, tooltip, on) for each colour; `on` = the current tree can produce it.
+
+    `tree` is the TreeSettings every answer uses (None = the defaults). The serial head drafts
+    depths 1..serial_depth; MLP heads only the depths past it, up to tree.depth; FTA only with
+    tree.fta; context lookup only with lookup_tokens > 0. Without heads only the target speaks.
+    """
+    from gumiho_core import TreeSettings
+
+    tree = tree or TreeSettings()
+    mlp_depths = list(range(serial_depth + 1, tree.depth + 1))
+    why_off = " Off: the current draft tree does not produce it."
+    chips = [("tok o-serial", "serial head", ORIGIN_LABELS["serial"], has_heads)]
+    if has_heads and mlp_depths:  # the first, middle and last depth show the range of shades
+        for d in sorted({mlp_depths[0], mlp_depths[len(mlp_depths) // 2], mlp_depths[-1]}):
+            chips.append((f"tok o-mlp d{min(d, MAX_SHADE)}", f"MLP d{d}", ORIGIN_LABELS["mlp"], True))
+    else:
+        chips.append(("tok o-mlp d3", "MLP heads",
+                      ORIGIN_LABELS["mlp"] + why_off + f" (they draft past depth {serial_depth})", False))
+    fta_on = has_heads and tree.fta and tree.fta_tokens > 0
+    chips.append(("tok o-fta", "FTA", ORIGIN_LABELS["fta"] + ("" if fta_on else why_off), fta_on))
+    lookup_on = has_heads and tree.lookup_tokens > 0
+    chips.append(("tok o-lookup", "context lookup", ORIGIN_LABELS["lookup"] + ("" if lookup_on else why_off),
+                  lookup_on))
+    chips.append(("tok o-target", "target", ORIGIN_LABELS["target"], True))
+    chips.append(("rej", "rejected draft", ORIGIN_LABELS["rejected"], has_heads))
+    return chips
+
+
+def legend_html(tree=None, serial_depth: int = 2, has_heads: bool = True) -> str:
+    """The colour legend: what this tree can produce first, then the rest greyed out as "off"."""
+    chips = legend_chips(tree, serial_depth, has_heads)
+
+    def chip(cls, label, tip, on):
+        inner = f'<s class="{cls}">{esc(label)}</s>' if cls == "rej" else f'<span class="{cls}">{esc(label)}</span>'
+        return f'<span class="legend-item{"" if on else " off"}" title="{esc(tip)}">{inner}</span>'
+
+    on = "".join(chip(*c) for c in chips if c[3])
+    off = "".join(chip(*c) for c in chips if not c[3])
+    off = f'<span class="legend-off">off with this tree: {off}</span>' if off else ""
+    return f'<div class="legend" id="legend"><b>Token origin:</b> {on}{off}</div>'
 
 
 def stats_html(stats: dict | None, finish_reason: str | None = None) -> str:
@@ -346,10 +403,15 @@ def _cached_message_html(message: dict, view: str) -> str:
     return _rendered[key]
 
 
-def chat_html(messages: list[dict], view: str = "colours", show_rejected: bool = False) -> str:
+def chat_html(messages: list[dict], view: str = "colours", show_rejected: bool = False,
+              session: str | None = None) -> str:
+    """The whole conversation. `session` ("12", or "" for a chat not stored yet) goes on the log
+    as data-session: assets/app.js puts it in the page's address (/?session=12), so a reload or a
+    bookmark reopens it. None (the page as first built) leaves the address alone."""
     classes = "chat" + (" show-rejected" if show_rejected else "")
     if not messages:
         inner = '<div class="empty">Say something to start a conversation.</div>'
     else:
         inner = "".join(_cached_message_html(m, view) for m in messages)
-    return f'<div class="{classes}" id="chat-log">{inner}</div>'
+    address = "" if session is None else f' data-session="{esc(session)}"'
+    return f'<div class="{classes}" id="chat-log"{address}>{inner}</div>'

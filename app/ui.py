@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import gradio as gr
 
 from . import handlers, models, render
-from .chat import ChatService
+from .chat import TEMPERATURE_MAX, TOP_P_MIN, ChatService
 
 PRIVATE = {"api_visibility": "private"}
 # No Gradio-side limit on generations: ChatService.queue serves them (UI and API together)
@@ -79,8 +79,8 @@ def _sidebar() -> SimpleNamespace:
 
 def _chat_tab(service: ChatService) -> SimpleNamespace:
     with gr.Tab("Chat"):
-        gr.HTML(render.legend_html(), js_on_load=None)
-        chat = SimpleNamespace(log=gr.HTML(render.chat_html([]), elem_id="chat", js_on_load=None))
+        legend = gr.HTML(handlers.legend(service), js_on_load=None)
+        chat = SimpleNamespace(legend=legend, log=gr.HTML(render.chat_html([]), elem_id="chat", js_on_load=None))
         # A startup warning (nearly full disk, an empty database file taken as new) shows until the first answer.
         notes = service.store.notes if service.store is not None else []
         chat.status = gr.Markdown(" ".join(render.esc(n) for n in notes), elem_id="status")
@@ -106,13 +106,16 @@ def _settings_panel(service: ChatService, chat: SimpleNamespace) -> None:
             chat.spec = gr.Checkbox(value=service.has_heads, label="Speculative decoding (Gumiho)", elem_id="spec")
             chat.view = gr.Radio([("Colours", "colours"), ("Raw tokens", "tokens"), ("Markdown", "markdown")],
                                  value="colours", label="View", elem_id="view")
-            chat.show_rej = gr.Checkbox(value=False, label="Show rejected drafts (struck through)",
-                                        elem_id="show-rej")
+            chat.show_rej = gr.Checkbox(value=False, label="Show rejected drafts", elem_id="show-rej")
         chat.system = gr.Textbox(label="System prompt", value="You are a helpful assistant.", lines=2)
+        # The sliders' ranges are the ones every answer is checked against (chat.Options.settings);
+        # assets/app.js keeps a number typed into a slider's box within them.
         with gr.Row():
-            chat.temperature = gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="Temperature (0 = greedy)")
-            chat.top_p = gr.Slider(0.05, 1.0, value=1.0, step=0.05, label="top_p")
-            chat.max_new = gr.Slider(1, 2048, value=256, step=1, label="Max new tokens", elem_id="max-new")
+            chat.temperature = gr.Slider(0.0, TEMPERATURE_MAX, value=0.0, step=0.05, label="Temperature (0 = greedy)",
+                                         elem_id="temperature")
+            chat.top_p = gr.Slider(TOP_P_MIN, 1.0, value=1.0, step=0.01, label="top_p", elem_id="top-p")
+            chat.max_new = gr.Slider(1, service.max_new_tokens_limit, value=min(256, service.max_new_tokens_limit),
+                                     step=1, label="Max new tokens", elem_id="max-new")
 
 
 def _model_panel(service: ChatService, chat: SimpleNamespace) -> None:
@@ -159,7 +162,7 @@ def _wire_chat(service: ChatService, state: gr.State, chat: SimpleNamespace, sid
     chat.view.change(handlers.redraw, [state, *look], chat.log, **PRIVATE)
     chat.show_rej.change(handlers.redraw, [state, *look], chat.log, **PRIVATE)
     chat.load.click(bind(handlers.load_model, service), [chat.model_path, chat.heads_path],
-                    [chat.model_status, chat.spec], **PRIVATE)
+                    [chat.model_status, chat.spec, chat.legend, chat.max_new], **PRIVATE)
 
 
 def _wire_sessions(service: ChatService, demo: gr.Blocks, state: gr.State, chat: SimpleNamespace,
@@ -170,13 +173,16 @@ def _wire_sessions(service: ChatService, demo: gr.Blocks, state: gr.State, chat:
                       **PRIVATE)
     sessions.input(bind(handlers.open_session, service), [sessions, *look], [chat.log, state, chat.status, chat.system],
                    **PRIVATE)
+    sessions.input(lambda: gr.update(value="Delete"), None, sidebar.delete, **PRIVATE)  # a pending delete is off
     sidebar.rename.click(bind(handlers.rename, service), [sessions, sidebar.rename_box, state],
                          [sessions, chat.status], **PRIVATE)
     sidebar.delete.click(bind(handlers.delete, service), [sessions, state, *look],
-                         [sessions, state, chat.log, chat.status], **PRIVATE)
+                         [sessions, state, chat.log, chat.status, sidebar.delete], **PRIVATE)
     sidebar.export_json.click(lambda s: handlers.export(service, s, "json"), sessions, sidebar.export_file, **PRIVATE)
     sidebar.export_md.click(lambda s: handlers.export(service, s, "md"), sessions, sidebar.export_file, **PRIVATE)
-    demo.load(bind(handlers.list_sessions, service), None, sessions, **PRIVATE)
+    # The session in the page's address (/?session=ID) comes back on load and reload.
+    demo.load(bind(handlers.open_address, service), look, [sessions, chat.log, state, chat.status, chat.system],
+              **PRIVATE)
 
 
 def _wire_stats(service: ChatService, demo: gr.Blocks, stats: SimpleNamespace) -> None:

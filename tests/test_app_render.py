@@ -78,7 +78,7 @@ def test_coloured_markdown_keeps_markdown_and_code():
               ("thon\n", "target", 0), ("if a < b:\n", "mlp", 5), ("    pass\n", "mlp", 6), ("```", "target", 0),
               ("\n", "target", 0), ("# Done", "serial", 1)]
     out = render.coloured_markdown_html(steps_for(pieces))
-    assert '<strong><span class="tok o-mlp d3" title="mlp depth 3">bold</span></strong>' in out
+    assert '<strong><span class="tok o-mlp d3" title="MLP head, depth 3">bold</span></strong>' in out
     assert "<ul>" in out and "<li>" in out and "<h1>" in out
     code = out[out.index('<pre><code class="language-python">'):out.index("</code></pre>")]
     assert 'o-mlp d5' in code and 'o-mlp d6' in code
@@ -98,3 +98,40 @@ def test_markers_never_break_block_syntax():
         assert re.sub("<[^>]+>", "", coloured).strip() == re.sub("<[^>]+>", "", plain).strip()
         tags = lambda h: [t for t in re.findall(r"</?(\w+)", h) if t not in ("span", "div", "s")]
         assert tags(coloured) == tags(plain), size
+
+
+def test_legend_shows_what_the_tree_can_produce_and_marks_the_rest_off():
+    from gumiho_core import TreeSettings
+
+    def chips(html):  # label -> "on" / "off", and every chip's tooltip
+        found = re.findall(r'<span class="legend-item( off)?" title="([^"]+)"><(?:span|s) class="[^"]+">([^<]+)<', html)
+        return {label: "off" if off else "on" for off, _, label in found}, [tip for _, tip, _ in found]
+
+    default, tips = chips(render.legend_html(TreeSettings()))
+    assert default == {"serial head": "on", "context lookup": "on", "target": "on", "rejected draft": "on",
+                       "MLP heads": "off", "FTA": "off"}
+    assert all(tip and "\n" not in tip for tip in tips) and len(tips) == len(default)
+    deep, _ = chips(render.legend_html(TreeSettings.gpu()))
+    assert deep["MLP d3"] == deep["MLP d5"] == deep["MLP d7"] == deep["FTA"] == "on"
+    no_lookup, _ = chips(render.legend_html(TreeSettings(lookup_tokens=0)))
+    assert no_lookup["context lookup"] == "off"
+    plain, _ = chips(render.legend_html(None, has_heads=False))
+    assert [k for k, v in plain.items() if v == "on"] == ["target"]
+
+
+def test_rejected_drafts_read_as_words_not_raw_special_tokens():
+    steps = [{"tokens": [["Hi", "serial", 1], [".", "target", 0]], "rejected": ["<|im_end|>", "\n\n", " there"]}]
+    for out in (render.colour_html(steps), render.coloured_markdown_html(steps)):
+        rejected = re.findall(r'<s class="rej"[^>]*>([^<]*)</s>', out)
+        assert rejected == ["⟨end of turn⟩", "↵↵", " there"], rejected
+        assert "&lt;|im_end|&gt;" not in out and "<|im_end|>" not in out
+        assert "rejected: “⟨end of turn⟩” | “↵↵” | “ there”" in out  # the hover title, one line
+    # The answer itself is the model's text: a special token it wrote stays as written.
+    written = render.colour_html([{"tokens": [["<|im_end|>", "target", 0]], "rejected": []}])
+    assert "&lt;|im_end|&gt;" in written
+
+
+def test_chat_log_carries_its_session_for_the_address():
+    assert "data-session" not in render.chat_html([])  # the page as first built: the address is left alone
+    assert 'data-session=""' in render.chat_html([], session="")
+    assert 'data-session="12"' in render.chat_html([], session="12")

@@ -177,7 +177,7 @@ def test_bad_model_and_heads_paths_keep_the_app_running(service, tmp_path):
         ("", "/no/such/heads"), ("", str(heads_garbage)), ("", str(bin_file)), ("", str(mismatched)),
     ]
     for path, heads in tried:
-        note, _ = handlers.load_model(service, path, heads)
+        note, *_ = handlers.load_model(service, path, heads)
         assert note.startswith("**error:**") and "\n" not in note and "Traceback" not in note, (path, heads, note)
         assert service.engine is before
     out = send(service, handlers.new_state(), "still alive")
@@ -518,7 +518,9 @@ def test_a_database_locked_mid_session_is_said_and_the_next_message_works(engine
         assert "the database is locked by another program" in status_of(out)
         assert "this answer was not saved" in status_of(out) and st["messages"][-1]["unsaved"]
         for handler, args in ((handlers.rename, (st["session_id"], "new title", st)),
-                              (handlers.delete, (st["session_id"], st, "colours", False)),
+                              # Delete's second press (the first only asks)
+                              (handlers.delete, (st["session_id"], {**st, "confirm_delete": st["session_id"]},
+                                                 "colours", False)),
                               (handlers.edit_last, (st, "colours", False))):
             with pytest.raises(Exception, match="the database is locked") as info:
                 handler(small, *args)
