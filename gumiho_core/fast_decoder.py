@@ -102,23 +102,24 @@ class FastLayer(nn.Module):
         self.scale = attn.scaling
 
     def forward(self, x, cos, sin, cache: StaticKVCache, index: int, start: int, mask):
-        n, d = x.shape[0], self.head_dim
-        q, k, v = self.qkv(rms_norm(x, self.attn_norm, self.eps)).split(
-            [self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
-        q, k, v = q.view(n, self.heads, d), k.view(n, self.kv_heads, d), v.view(n, self.kv_heads, d)
+        n, d, heads, kv_heads = x.shape[0], self.head_dim, self.heads, self.kv_heads
+        qkv = self.qkv(rms_norm(x, self.attn_norm, self.eps)).view(n, heads + 2 * kv_heads, d)
+        qk, v = qkv[:, : heads + kv_heads], qkv[:, heads + kv_heads :]
         if self.q_norm is not None:
-            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            qk = torch.cat([rms_norm(qk[:, :heads], self.q_norm, self.eps),
+                            rms_norm(qk[:, heads:], self.k_norm, self.eps)], dim=1)
+        qk = rotate(qk, cos, sin)  # queries and keys in one go: they lie side by side
         end = start + n
-        cache.keys[index, :, start:end] = k.transpose(0, 1)
+        cache.keys[index, :, start:end] = qk[:, heads:].transpose(0, 1)
         cache.values[index, :, start:end] = v.transpose(0, 1)
         # Query heads sharing a KV head stacked along the query axis: one SDPA call per KV head
         # over the cache as it lies, no copy of it per query head (attention.py explains).
-        rep = self.heads // self.kv_heads
-        q = q.view(n, self.kv_heads, rep, d).permute(1, 2, 0, 3).reshape(self.kv_heads, rep * n, d)
-        attn = F.scaled_dot_product_attention(q, cache.keys[index, :, :end], cache.values[index, :, :end],
+        rep = heads // kv_heads
+        q = qk[:, :heads].reshape(n, kv_heads, rep, d).permute(1, 2, 0, 3).reshape(1, kv_heads, rep * n, d)
+        attn = F.scaled_dot_product_attention(q, cache.keys[index : index + 1, :, :end],
+                                              cache.values[index : index + 1, :, :end],
                                               attn_mask=mask, scale=self.scale)
-        attn = attn.view(self.kv_heads, rep, n, d).permute(2, 0, 1, 3).reshape(n, self.heads * d)
+        attn = attn.view(kv_heads, rep, n, d).permute(2, 0, 1, 3).reshape(n, heads * d)
         x = x + self.out(attn)
         gate, up = self.gate_up(rms_norm(x, self.mlp_norm, self.eps)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)

@@ -16,7 +16,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from gumiho_core import Engine, GenerationSettings, TreeSettings, new_heads, run_to_end
 from gumiho_core.errors import GumihoError
 from gumiho_core.fast_decoder import FastDecoder, StaticKVCache
-from gumiho_core.quantize import PRECISIONS, check_precision
+from gumiho_core.quantize import PRECISIONS, Int4WeightOnlyLinear, Int8WeightOnlyLinear, check_precision
 from gumiho_core.target import Target, attach_fast_decoder
 from gumiho_core.verify import TransformersCache
 from test_engine_lossless import OracleDrafter
@@ -125,3 +125,41 @@ def test_a_precision_the_cpu_cannot_run_is_one_clear_line(monkeypatch):
     check_precision("float32")  # always runs
     with pytest.raises(GumihoError, match="unknown precision"):
         check_precision("int3")
+
+
+@pytest.mark.parametrize("layer_type", [Int8WeightOnlyLinear, Int4WeightOnlyLinear, "bfloat16"])
+def test_quantized_products_do_not_depend_on_the_row_count(layer_type):
+    """A row's product is the same bits whether its pass had 1 row or 14: the weight-only
+    kernels cannot make a tree pass (many rows) decide a near-tie differently from plain
+    decoding (one row). (Attention is not covered: its blocked softmax may differ in the last
+    bit; the benchmark counts the answers where that flipped a token.)"""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(576, 1536, bias=False)
+    layer = linear.to(torch.bfloat16) if layer_type == "bfloat16" else layer_type(linear)
+    x = torch.randn(16, 576).bfloat16()
+    one_by_one = torch.cat([layer(x[i : i + 1]) for i in range(16)])
+    for rows in (2, 3, 6, 8, 14, 16):
+        assert torch.equal(layer(x[:rows]), one_by_one[:rows]), rows
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_a_tree_pass_matches_one_token_passes(precision):
+    """Three tokens read one pass each, as one causal pass, or inside a padded tree pass (as
+    TargetPasses pads) give the same features up to the attention's rounding."""
+    decoder = fast_target(precision).fast
+    prompt, chain = torch.tensor(random_prompts(1, seed=8)[0]), torch.tensor([5, 17, 42])
+    with torch.inference_mode():
+        cache = decoder.new_cache()
+        decoder(prompt, torch.arange(len(prompt)), cache)
+        one_by_one = torch.cat([decoder(chain[i : i + 1], torch.tensor([len(prompt) + i]), cache) for i in range(3)])
+        cache.crop(len(prompt))
+        together = decoder(chain, torch.arange(len(prompt), len(prompt) + 3), cache)
+        cache.crop(len(prompt))
+        padded = torch.cat([chain, chain[:1].expand(5)])
+        ancestors = torch.eye(8, dtype=torch.bool)
+        ancestors[:3, :3] = torch.ones(3, 3, dtype=torch.bool).tril()
+        in_tree = decoder(padded, torch.cat([torch.arange(3), torch.zeros(5, dtype=torch.long)]) + len(prompt),
+                          cache, ancestors)[:3]
+    tolerance = {"atol": 1e-5, "rtol": 1e-5} if precision == "float32" else {"atol": 3e-2, "rtol": 3e-2}
+    torch.testing.assert_close(together, one_by_one, **tolerance)
+    torch.testing.assert_close(in_tree, one_by_one, **tolerance)
