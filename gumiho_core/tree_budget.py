@@ -21,14 +21,14 @@ from dataclasses import asdict
 
 import torch
 
-from .cpu_matmul import PACKING_AVAILABLE, pack_for_rows
+from .cpu_matmul import PACKING_AVAILABLE
 from .draft_tree import DraftTree
 from .drafter import RecordingDrafter
 from .generate import Engine, run_to_end
 from .mkl_on_amd import active as mkl_on_amd_active
 from .settings import GenerationSettings, TreeSettings
 from .target import cache_dir
-from .verify import crop_cache, run_target, tree_attention_mask
+from .verify import TargetPasses
 
 # Small sizes matter: where a pass over 2-3 tokens costs about as much as over one (MKL's
 # vector kernels on a CPU), a one- or two-token draft is the tree that pays.
@@ -52,37 +52,32 @@ def _cache_file(kind: str, key: dict):
 
 @torch.inference_mode()
 def measure_cost_curve(target, sizes=COST_SIZES, context: int = 256, reps: int = 7, use_cache=True) -> dict:
-    """{tree tokens: median ms of one verification pass} at `context` cached tokens."""
-    from transformers import DynamicCache
-
+    """{tree tokens: median ms of one verification pass} at `context` cached tokens, through the
+    same passes generation runs (TargetPasses: the fast decoder or transformers' forward)."""
     key = {**_machine_key(target), "sizes": list(sizes), "context": context}
     path = _cache_file("cost", key)
     if use_cache and path.is_file():
         return {int(k): v for k, v in json.loads(path.read_text()).items()}
     g = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, target.vocab_size, (context,), generator=g).to(target.device)
-    cache = DynamicCache(config=target.config)
-    run_target(target, cache, prefix, torch.arange(context, device=target.device), logits_for=[-1])
+    passes = TargetPasses(target)
+    cache = passes.new_cache()
+    passes.prefill(cache, prefix, 0)
     # A chain is as costly as any tree of n nodes: the cost depends on n, not the shape.
     trees = {n: DraftTree(torch.randint(0, target.vocab_size, (n,), generator=g), [-1, *range(n - 1)],
                           list(range(n)), ["root"] + ["serial"] * (n - 1)) for n in sizes}
     times: dict[int, list[float]] = {n: [] for n in sizes}
     for rep in range(reps + 1):
         for n in sizes:  # sizes interleaved, so a burst of other work spreads over all of them
-            tree = trees[n]
-            if n > 1:  # as generation packs for its tree size (not timed); one row never uses a pack
-                pack_for_rows(target.model, n)
+            passes.prepare((n,))  # as generation prepares for its tree size (not timed)
             _sync(target)
             start = time.perf_counter()
-            # What a verification step does besides the pass: the mask, and the greedy choices.
-            mask = tree_attention_mask(tree, context, target.base.dtype, target.device) if n > 1 else None
-            _, logits = run_target(target, cache, tree.tokens.to(target.device),
-                                   context + torch.tensor(tree.depths, device=target.device), mask)
-            logits.argmax(-1).tolist()
+            _, logits = passes.verify(cache, trees[n], context)
+            logits.argmax(-1).tolist()  # the greedy choices a step makes
             _sync(target)
             if rep:  # the first round warms up
                 times[n].append((time.perf_counter() - start) * 1e3)
-            crop_cache(cache, context)  # back to the prefix for the next pass
+            cache.crop(context)  # back to the prefix for the next pass
     curve = {n: statistics.median(times[n]) for n in sizes}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(curve))
@@ -91,12 +86,15 @@ def measure_cost_curve(target, sizes=COST_SIZES, context: int = 256, reps: int =
 
 def _machine_key(target) -> dict:
     """What a measured cost depends on besides the model: cached results are keyed on it."""
+    fast = target.fast
     return {"target": target.name, "device": str(target.device), "dtype": str(target.base.dtype),
             "threads": torch.get_num_threads(),
             "mkl_on_amd": mkl_on_amd_active(),  # MKL's AVX-512 path changes the whole curve
             "lm_head": type(target.lm_head).__name__,  # so do the weight layouts (cpu_matmul.py)
             "packed_sgemm": PACKING_AVAILABLE,
-            "attention": getattr(target.config, "_attn_implementation", None)}  # and attention.py
+            "attention": getattr(target.config, "_attn_implementation", None),  # and attention.py
+            # and the fast decoder, by its precision (quantize.py)
+            "decoder": None if fast is None else f"fast-{fast.dtype}-{type(fast.layers[0].down).__name__}"}
 
 
 def _sync(target):

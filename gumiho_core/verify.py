@@ -95,7 +95,10 @@ class TargetPasses:
         if not sizes:
             self.sizes = ()
         else:
-            self.sizes = sizes if pack_for_rows(self.target.model, sizes) else ()
+            # The layers the passes run: the fast decoder's (float32 only: quantized kernels
+            # need no packs) or the transformers model's.
+            layers = self.target.fast if self.target.fast is not None else self.target.model
+            self.sizes = sizes if pack_for_rows(layers, sizes) else ()
 
     def new_cache(self):
         """An empty KV cache for this target: the fast decoder's static one, or transformers'."""

@@ -31,13 +31,34 @@ def fast_target(precision: str, seed: int = 0) -> Target:
 
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_speculative_equals_plain_in_every_precision(precision):
+    """Token for token, but for near-ties in the low precisions: attention's blocked softmax
+    rounds a tree pass (many rows, a longer masked key range) differently in the last bit from
+    a one-token pass, and bfloat16 activations can carry that bit into a flipped argmax where
+    the two best logits almost tie. So wherever speculative and plain part, the plain logits
+    there must be a near-tie; in float32 they must never part."""
     target = fast_target(precision)
     assert target.fast is not None
     engine = Engine(target, new_heads(target))
     for prompt in random_prompts(5, seed=3):
         spec = run_to_end(engine, prompt, GenerationSettings(max_new_tokens=24, tree=TREE))
         plain = run_to_end(engine, prompt, GenerationSettings(max_new_tokens=24, speculative=False))
-        assert spec.token_ids == plain.token_ids
+        if precision == "float32" or spec.token_ids == plain.token_ids:
+            assert spec.token_ids == plain.token_ids
+            continue
+        at = next(i for i, (a, b) in enumerate(zip(spec.token_ids, plain.token_ids)) if a != b)
+        assert top_two_margin(target, prompt + plain.token_ids[:at]) < NEAR_TIE, (prompt, at)
+
+
+NEAR_TIE = 0.05  # logits; the tiny targets' logits spread over ~+-3
+
+
+def top_two_margin(target: Target, ids: list[int]) -> float:
+    """How far the best next-token logit is ahead of the second, read in one plain pass."""
+    decoder = target.fast
+    with torch.inference_mode():
+        features = decoder(torch.tensor(ids), torch.arange(len(ids)), decoder.new_cache())
+        best = decoder.logits(features[-1:])[0].topk(2).values
+    return float(best[0] - best[1])
 
 
 def test_float32_fast_decoder_is_transformers_arithmetic():
