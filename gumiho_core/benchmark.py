@@ -188,6 +188,9 @@ def benchmark(
             line = "  ".join(f"{m} {runs[m][-1].tokens_per_s:6.1f}" for m in methods)
             log(f"[{name} {i + 1}/{len(prompts)}] tok/s  {line}")
         report["benchmarks"][name] = summarise(runs, peaks, mismatches, settings.sampling.greedy)
+    guard = getattr(engine.drafter, "guard", None)
+    if guard is not None and guard.choices:  # under sampling: how often it drafted (draft_guard.py)
+        report["draft_guard"] = guard.summary()
     return report
 
 
@@ -278,6 +281,7 @@ def format_table(report: dict) -> str:
     mism = sum(len(b["mismatches"]) for b in report["benchmarks"].values())
     lines.append("")
     lines.extend(_peer_lines(report))
+    lines.extend(_guard_lines(report))
     if report["settings"]["sampling"]["temperature"] > 0:  # sampled outputs differ by design
         lines.append("outputs not compared (sampling): losslessness under sampling is a distribution test")
     else:
@@ -298,4 +302,16 @@ def _peer_lines(report: dict) -> list[str]:
     sampled = report["settings"]["sampling"]["temperature"] > 0
     if sampled and any(PEER in b["methods"] for b in report["benchmarks"].values()):
         lines.append("llama.cpp sampled with the same temperature / top_p: its outputs are not compared")
+    return lines
+
+
+def _guard_lines(report: dict) -> list[str]:
+    """Under sampling: the share of steps the drafter spent in each mode (draft_guard.py)."""
+    lines = []
+    for entry in report.get("draft_guard", []):
+        modes = entry["modes"]
+        total = sum(m["steps"] for m in modes.values()) or 1
+        shares = ", ".join(f"{mode} {m['steps'] / total:.0%} ({m['tokens_per_step']:.2f} tok/step, "
+                           f"{m['tokens_per_s']:.1f} tok/s lately)" for mode, m in modes.items())
+        lines.append(f"draft guard, {entry['key']}: {shares} of {total} steps")
     return lines

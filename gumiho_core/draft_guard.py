@@ -51,9 +51,10 @@ class ModeSteps:
 class ModeChoice:
     """The modes' records for one (sampling settings, tree) key, and whose turn it is."""
 
-    def __init__(self, modes: tuple[str, ...]):
-        self.modes = modes
+    def __init__(self, modes: tuple[str, ...], label: str = ""):
+        self.modes, self.label = modes, label
         self.records = {mode: ModeSteps() for mode in modes}
+        self.taken = dict.fromkeys(modes, 0)  # steps in each mode, all told (for reports)
         self.since_probe = 0
         self.next_probe = 0  # which of the other modes the next try goes to, in turn
 
@@ -83,11 +84,12 @@ class DraftGuard:
         self.choices: dict[tuple, ModeChoice] = {}
         self.current: ModeChoice | None = None
 
-    def begin(self, key: tuple, modes: tuple[str, ...]) -> None:
-        """A generation starts under `key` (its sampling settings and tree), drafting in `modes`."""
+    def begin(self, key: tuple, modes: tuple[str, ...], label: str = "") -> None:
+        """A generation starts under `key` (its sampling settings and tree), drafting in `modes`;
+        `label` names the key in reports."""
         key = (key, modes)
         if key not in self.choices:
-            self.choices[key] = ModeChoice(modes)
+            self.choices[key] = ModeChoice(modes, label or str(key[0]))
         self.current = self.choices[key]
 
     def pick(self) -> str:
@@ -95,9 +97,10 @@ class DraftGuard:
 
     def record(self, mode: str, tokens: int, seconds: float) -> None:
         self.current.records[mode].add(tokens, seconds)
+        self.current.taken[mode] += 1
 
-    def summary(self) -> dict:
-        """Per key and mode: tokens per step and tokens per second over the window."""
-        return {str(key): {mode: {"tokens_per_step": r.tokens_per_step(), "tokens_per_s": r.rate(),
-                                  "steps": len(r.steps)} for mode, r in choice.records.items()}
-                for key, choice in self.choices.items()}
+    def summary(self) -> list[dict]:
+        """Per key: each mode's steps all told, and its tokens per step and per second lately."""
+        return [{"key": choice.label, "modes": {mode: {"steps": choice.taken[mode], "tokens_per_step": r.tokens_per_step(),
+                                                   "tokens_per_s": r.rate()} for mode, r in choice.records.items()}}
+                for key, choice in self.choices.items()]

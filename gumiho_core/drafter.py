@@ -112,9 +112,7 @@ class GumihoDrafter(Drafter):
         self.lookup, self.chain = LookupLength(self.tree.lookup_tokens), []
         self.guarded = self.guard is not None and not settings.sampling.greedy
         if self.guarded:
-            # The seed changes which tokens are drawn, not how many are accepted on average.
-            key = (replace(settings.sampling, seed=None), self.tree)
-            self.guard.begin(key, ("heads", "lookup", "root") if self.tree.lookup_tokens else ("heads", "root"))
+            self._guard_begin(settings)
         # Below depth 1, drafting multiplies one row per beam (cpu_matmul.py).
         pack_for_rows(self.heads, self.tree.top_k)
         if self.projection.project is not self.target.lm_head:  # a draft vocabulary of its own
@@ -126,6 +124,15 @@ class GumihoDrafter(Drafter):
             self.cache = self.heads.new_cache()
         else:
             self.cache.crop(min(len(self.cache), keep))
+
+    def _guard_begin(self, settings: GenerationSettings) -> None:
+        """Tell the guard which settings this generation runs at, and the modes it may pick."""
+        # The seed changes which tokens are drawn, not how many are accepted on average.
+        sampling, tree = replace(settings.sampling, seed=None), self.tree
+        label = (f"temperature {sampling.temperature}, top_p {sampling.top_p}, "
+                 f"tree {tree.top_k}/{tree.total_tokens}/{tree.depth} + lookup {tree.lookup_tokens}")
+        modes = ("heads", "lookup", "root") if tree.lookup_tokens else ("heads", "root")
+        self.guard.begin((sampling, tree), modes, label)
 
     def tree_sizes(self, tree: TreeSettings) -> tuple[int, ...]:
         # The heads' best total_tokens nodes (62 % of mt_bench passes: no chain, or one the

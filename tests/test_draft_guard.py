@@ -64,7 +64,9 @@ def test_records_are_kept_per_key_across_generations():
     assert guard.pick() == "heads" and sum(len(r.steps) for r in guard.current.records.values()) == 0
     guard.begin(("t=1",), ("heads", "root"))  # a new generation at the first settings goes on from there
     assert len(guard.current.records["heads"].steps) == 3
-    assert set(guard.summary()) == {str((("t=1",), ("heads", "root"))), str((("t=0.7",), ("heads", "root")))}
+    guard.record(guard.pick(), 1, 1.0)
+    summary = {entry["key"]: entry["modes"] for entry in guard.summary()}
+    assert summary[str(("t=1",))]["heads"]["steps"] == 4 and summary[str(("t=0.7",))]["heads"]["steps"] == 0
 
 
 class FixedGuard:
@@ -73,7 +75,7 @@ class FixedGuard:
     def __init__(self, mode):
         self.mode, self.recorded, self.modes = mode, [], None
 
-    def begin(self, key, modes):
+    def begin(self, key, modes, label=""):
         self.modes = modes
 
     def pick(self):

@@ -142,7 +142,7 @@ class TakingTurns:
     def __init__(self):
         self.turn, self.modes = 0, ()
 
-    def begin(self, key, modes):
+    def begin(self, key, modes, label=""):
         self.modes = modes
 
     def pick(self):
