@@ -372,10 +372,20 @@ class ChatService:
 
     def compare(self, history: list[dict], options: Options) -> tuple[Answer, Answer]:
         """The same prompt, greedy, speculation off then on. Returns (plain, gumiho)."""
+        return last(self.compare_stream(history, options))
+
+    def compare_stream(self, history: list[dict], options: Options) -> Iterator[tuple[Answer, Answer]]:
+        """`compare` as it runs: (plain, gumiho) after every step of either, plain first.
+
+        The Gumiho answer is an empty Answer until the plain one is done, so a caller can
+        show which half is running and how far it got.
+        """
         greedy = Options(system=options.system, temperature=0.0, top_p=1.0, max_new_tokens=options.max_new_tokens)
-        plain = self.answer(history, Options(**{**greedy.__dict__, "speculative": False}))
-        gumiho = self.answer(history, Options(**{**greedy.__dict__, "speculative": True}))
-        return plain, gumiho
+        plain, gumiho = Answer(), Answer()
+        for plain in self.stream(history, Options(**{**greedy.__dict__, "speculative": False})):
+            yield plain, gumiho
+        for gumiho in self.stream(history, Options(**{**greedy.__dict__, "speculative": True})):
+            yield plain, gumiho
 
 
 def _turn_starts(history: list[dict]) -> list[int]:

@@ -284,9 +284,10 @@ def compare(service: ChatService, text, st, system_text, n, view_name, rej):
     if not st["messages"]:
         yield gr.skip(), st, gr.skip(), "Type a prompt to compare.", gr.skip(), ""
         return
-    yield (draw(st, view_name, rej), st, "", "*comparing: plain, then Gumiho…*",
-           gr.skip(), "")
-    plain, gumiho = service.compare(st["messages"], opts)
+    yield draw(st, view_name, rej), st, "", "*comparing: plain, then Gumiho…*", gr.skip(), ""
+    for plain, gumiho in service.compare_stream(st["messages"], opts):
+        phase = "plain decoding" if not plain.done else "Gumiho"
+        yield gr.skip(), st, gr.skip(), f"*comparing: {phase}…*", gr.skip(), render.compare_html(plain, gumiho)
     problem = keep_answer(service, st, gumiho, True)
     if st["session_id"] is not None and service.store is not None and plain.stats and not problem:
         try:
@@ -319,15 +320,16 @@ def list_sessions(service: ChatService):
 
 
 def open_session(service: ChatService, session_id, view_name, rej):
-    """(chat, state, status, system prompt) of a stored session."""
+    """(chat, state, status, system prompt, Delete button) of a stored session; the new state
+    forgets a Delete that was waiting for its confirmation, so the button says Delete again."""
     if session_id is None or service.store is None:
-        return gr.skip(), gr.skip(), gr.skip(), gr.skip()
+        return gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
     row = service.store.session(int(session_id))
     if row is None:
-        return gr.skip(), gr.skip(), "Session not found.", gr.skip()
+        return gr.skip(), gr.skip(), "Session not found.", gr.skip(), gr.skip()
     st = {"session_id": row["id"], "messages": load_messages(service, row["id"])}
     system_text = row["settings"].get("system", gr.skip())
-    return draw(st, view_name, rej), st, "", system_text
+    return draw(st, view_name, rej), st, "", system_text, gr.update(value="Delete")
 
 
 def open_address(service: ChatService, view_name, rej, request: gr.Request | None):
@@ -340,7 +342,7 @@ def open_address(service: ChatService, view_name, rej, request: gr.Request | Non
     if row is None:  # deleted, or a mistyped address: a fresh chat (app.js clears the address)
         return (list_sessions(service), draw(new_state(), view_name, rej), new_state(),
                 f"Session {render.esc(wanted[:20])} was not found: it may have been deleted.", gr.skip())
-    log, st, status, system_text = open_session(service, row["id"], view_name, rej)
+    log, st, status, system_text, _ = open_session(service, row["id"], view_name, rej)
     return sessions_update(service, row["id"]), log, st, status, system_text
 
 

@@ -279,19 +279,35 @@ def coloured_markdown_html(steps: list[dict]) -> str:
 
 
 def compare_html(plain, gumiho) -> str:
-    """The Compare box: two chat.Answer of one greedy prompt, plain and Gumiho, side by side."""
+    """The Compare box: one greedy prompt answered plain (left) and with Gumiho (right), side by
+    side with their speeds. Called while it runs too: the running side says how far it got."""
     if plain.error or gumiho.error:
         return f'<div class="compare error">{esc(plain.error or gumiho.error)}</div>'
-    p, g = plain.stats, gumiho.stats
-    same = plain.text == gumiho.text
-    speedup = g["tokens_per_s"] / p["tokens_per_s"] if p["tokens_per_s"] else 0.0
-    verdict = ("texts identical ✓" if same else "texts differ ✗ (should not happen with greedy decoding)")
-    return (
-        f'<div class="compare {"same" if same else "differ"}">'
-        f"<b>Compare (greedy):</b> plain {p['tokens_per_s']:.1f} tok/s ({p['forward_passes']} passes) · "
-        f"Gumiho {g['tokens_per_s']:.1f} tok/s ({g['forward_passes']} passes, τ {g['tau']:.2f}) · "
-        f"speed-up ×{speedup:.2f} · <span class=\"verdict\">{verdict}</span></div>"
-    )
+    columns = _compare_column("Plain decoding", plain, "") + _compare_column(
+        "Gumiho (speculative)", gumiho, "" if plain.done else "starts when plain decoding is done")
+    verdict = ""
+    if plain.done and gumiho.done and plain.stats and gumiho.stats:
+        p, g = plain.stats, gumiho.stats
+        speedup = g["tokens_per_s"] / p["tokens_per_s"] if p["tokens_per_s"] else 0.0
+        same = plain.text == gumiho.text
+        words = "texts identical ✓" if same else "texts differ ✗ (should not happen with greedy decoding)"
+        verdict = (f'<div class="compare-verdict">Gumiho ×{speedup:.2f} the speed of plain decoding · '
+                   f'<span class="verdict {"same" if same else "differ"}">{words}</span></div>')
+    return f'<div class="compare"><b>Compare (greedy)</b><div class="compare-cols">{columns}</div>{verdict}</div>'
+
+
+def _compare_column(name: str, answer, waiting_note: str) -> str:
+    if answer.done and answer.stats:
+        st = answer.stats
+        head = f"{st['tokens_per_s']:.1f} tok/s · {st['forward_passes']} passes · τ {st['tau']:.2f}"
+    elif answer.steps:
+        head = f"running… {sum(len(s['tokens']) for s in answer.steps)} tokens"
+    else:
+        head = waiting_note or "running…"
+    done = " done" if answer.done else ""
+    body = coloured_markdown_html(answer.steps) if answer.steps else ""
+    return (f'<div class="compare-col{done}"><div class="compare-head"><b>{esc(name)}</b> '
+            f'<span class="compare-speed">{esc(head)}</span></div>{body}</div>')
 
 
 def legend_chips(tree=None, serial_depth: int = 2, has_heads: bool = True) -> list[tuple[str, str, str, bool]]:
@@ -305,14 +321,14 @@ def legend_chips(tree=None, serial_depth: int = 2, has_heads: bool = True) -> li
 
     tree = tree or TreeSettings()
     mlp_depths = list(range(serial_depth + 1, tree.depth + 1))
-    why_off = " Off: the current draft tree does not produce it."
+    why_off = " Off: the current draft tree does not make these."
     chips = [("tok o-serial", "serial head", ORIGIN_LABELS["serial"], has_heads)]
     if has_heads and mlp_depths:  # the first, middle and last depth show the range of shades
         for d in sorted({mlp_depths[0], mlp_depths[len(mlp_depths) // 2], mlp_depths[-1]}):
             chips.append((f"tok o-mlp d{min(d, MAX_SHADE)}", f"MLP d{d}", ORIGIN_LABELS["mlp"], True))
     else:
         chips.append(("tok o-mlp d3", "MLP heads",
-                      ORIGIN_LABELS["mlp"] + why_off + f" (they draft past depth {serial_depth})", False))
+                      ORIGIN_LABELS["mlp"] + f" Off: the tree stops at depth {tree.depth}.", False))
     fta_on = has_heads and tree.fta and tree.fta_tokens > 0
     chips.append(("tok o-fta", "FTA", ORIGIN_LABELS["fta"] + ("" if fta_on else why_off), fta_on))
     lookup_on = has_heads and tree.lookup_tokens > 0

@@ -73,7 +73,8 @@ def _sidebar() -> SimpleNamespace:
         with gr.Row():
             sidebar.export_json = gr.Button("Export JSON", size="sm")
             sidebar.export_md = gr.Button("Export Markdown", size="sm")
-        sidebar.export_file = gr.File(label="Export", interactive=False, elem_id="export-file")
+        # Shown once there is a file: an empty file box took a third of the sidebar.
+        sidebar.export_file = gr.File(label="Export", interactive=False, elem_id="export-file", visible=False)
     return sidebar
 
 
@@ -102,7 +103,7 @@ def _chat_tab(service: ChatService) -> SimpleNamespace:
 
 def _settings_panel(service: ChatService, chat: SimpleNamespace) -> None:
     with gr.Accordion("Settings", open=True):
-        with gr.Row():
+        with gr.Row(elem_id="look-row"):
             chat.spec = gr.Checkbox(value=service.has_heads, label="Speculative decoding (Gumiho)", elem_id="spec")
             chat.view = gr.Radio([("Colours", "colours"), ("Raw tokens", "tokens"), ("Markdown", "markdown")],
                                  value="colours", label="View", elem_id="view")
@@ -171,18 +172,22 @@ def _wire_sessions(service: ChatService, demo: gr.Blocks, state: gr.State, chat:
     sessions = sidebar.sessions
     sidebar.new.click(handlers.clear, look, [chat.log, state, chat.msg, chat.status, sessions, chat.compare_box],
                       **PRIVATE)
-    sessions.input(bind(handlers.open_session, service), [sessions, *look], [chat.log, state, chat.status, chat.system],
-                   **PRIVATE)
-    sessions.input(lambda: gr.update(value="Delete"), None, sidebar.delete, **PRIVATE)  # a pending delete is off
+    sessions.input(bind(handlers.open_session, service), [sessions, *look],
+                   [chat.log, state, chat.status, chat.system, sidebar.delete], **PRIVATE)
     sidebar.rename.click(bind(handlers.rename, service), [sessions, sidebar.rename_box, state],
                          [sessions, chat.status], **PRIVATE)
     sidebar.delete.click(bind(handlers.delete, service), [sessions, state, *look],
                          [sessions, state, chat.log, chat.status, sidebar.delete], **PRIVATE)
-    sidebar.export_json.click(lambda s: handlers.export(service, s, "json"), sessions, sidebar.export_file, **PRIVATE)
-    sidebar.export_md.click(lambda s: handlers.export(service, s, "md"), sessions, sidebar.export_file, **PRIVATE)
+    for button, kind in ((sidebar.export_json, "json"), (sidebar.export_md, "md")):
+        button.click(lambda s, kind=kind: _file(handlers.export(service, s, kind)), sessions, sidebar.export_file,
+                     **PRIVATE)
     # The session in the page's address (/?session=ID) comes back on load and reload.
     demo.load(bind(handlers.open_address, service), look, [sessions, chat.log, state, chat.status, chat.system],
               **PRIVATE)
+
+
+def _file(path: str | None) -> dict:
+    return gr.update(value=path, visible=path is not None)
 
 
 def _wire_stats(service: ChatService, demo: gr.Blocks, stats: SimpleNamespace) -> None:

@@ -1,4 +1,4 @@
-// gumiho-chat's page script: three small jobs the server cannot do from Python.
+// gumiho-chat's page script: four small jobs the server cannot do from Python.
 () => {
   // 1. Keep the newest tokens in view while an answer streams.
   const follow = () => {
@@ -20,7 +20,17 @@
     window.history.replaceState(null, "", url);
   };
 
-  new MutationObserver(() => { follow(); address(); })
+  // 4. In a narrow window (a phone) the sessions sidebar would cover the chat: start with it
+  //    closed there; its toggle (the chevron at the top) opens it.
+  let sidebarChecked = false;
+  const narrowSidebar = () => {
+    const toggle = document.querySelector("#sidebar.open .toggle-button");
+    if (sidebarChecked || !document.getElementById("sidebar")) return;
+    sidebarChecked = true;
+    if (toggle && window.innerWidth < 700) toggle.click();
+  };
+
+  new MutationObserver(() => { follow(); address(); narrowSidebar(); })
     .observe(document.body, { childList: true, subtree: true, attributes: true, attributeFilter: ["data-session"] });
 
   // 3. A number typed into a slider's box stays within the slider's range (its min and max),
@@ -41,4 +51,5 @@
   document.addEventListener("keydown", (e) => { if (e.key === "Enter") clamp(e); }, true);
   document.addEventListener("change", clamp, true);
   document.addEventListener("blur", clamp, true);
+  narrowSidebar();
 }

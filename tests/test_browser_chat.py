@@ -155,12 +155,37 @@ SCRIPT = [  # one StepEvent each: (accepted tokens as (text, origin, depth)), re
     ([(" and ", "mlp", 5), (XSS, "fta", 6), (" again", "lookup", 7), ("\n\n```python\n", "target", 0)],
      ["<b>no</b>"]),
     ([("if a < b:\n", "serial", 1), ("    print(a)\n", "mlp", 7), ("```\n", "target", 0)], [" else"]),
-    ([("Done.", "target", 0)], []),
+    ([("Done.", "target", 0)], ["<|im_end|>"]),
+]
+# The README's picture: an answer as the default model's might look, every colour the default
+# tree produces, and rejected drafts shown (tests/test_browser_chat.py regenerates it each run).
+README_SCRIPT = [
+    ([("Speculative", "target", 0)], []),
+    ([(" decoding", "lookup", 1), (" lets", "target", 0)], [" uses"]),
+    ([(" a", "serial", 1), (" small", "serial", 2), (" **", "target", 0)], []),
+    ([("draft", "serial", 1), ("**", "serial", 2), (" model", "target", 0)], [" head"]),
+    ([(" guess", "serial", 1), (" several", "target", 0)], [" the"]),
+    ([(" tokens", "serial", 1), (" ahead", "serial", 2), (".", "target", 0)], []),
+    ([(" The", "target", 0)], [" It"]),
+    ([(" big", "serial", 1), (" model", "serial", 2), (" checks", "target", 0)], [" then"]),
+    ([(" all", "serial", 1), (" the", "serial", 2), (" guesses", "target", 0)], []),
+    ([(" in", "serial", 1), (" one", "serial", 2), (" pass", "target", 0)], [" step"]),
+    ([(" and", "serial", 1), (" keeps", "target", 0)], [" accepts"]),
+    ([(" the", "lookup", 1), (" ones", "lookup", 2), (" it", "target", 0)], []),
+    ([(" agrees", "serial", 1), (" with", "serial", 2), (",", "target", 0)], ["."]),
+    ([(" so", "serial", 1), (" each", "target", 0)], [" one"]),
+    ([(" pass", "lookup", 1), (" yields", "target", 0)], [" gives"]),
+    ([(" more", "serial", 1), (" than", "serial", 2), (" one", "target", 0)], []),
+    ([(" token", "serial", 1), (".", "serial", 2), ("\n\n", "target", 0)], ["<|im_end|>"]),
+    ([("The", "target", 0)], []),
+    ([(" answer", "serial", 1), (" is", "serial", 2), (" exactly", "target", 0)], [" the"]),
+    ([(" the", "lookup", 1), (" big", "lookup", 2), (" model", "lookup", 3), ("'s", "target", 0)], []),
+    ([(" own", "serial", 1), (".", "target", 0)], []),
 ]
 
 
 class ScriptedEngine:
-    """Stands in for gumiho_core.Engine: replays SCRIPT (40 times, slowly, when `slow` is set)."""
+    """Stands in for gumiho_core.Engine: replays `script` (`repeats` times, slowly, when `slow` is set)."""
 
     def __init__(self, target):
         from gumiho_core import new_heads
@@ -168,12 +193,14 @@ class ScriptedEngine:
         self.target, self.heads = target, new_heads(target)
         self.lock = threading.Lock()
         self.slow = False
+        self.script = SCRIPT
+        self.repeats = 40
 
     def generate(self, prompt_ids, settings, cancel=None):
         from gumiho_core import DoneEvent, GenerationStats, StepEvent, TokenPiece
 
         slow = self.slow
-        script = SCRIPT * (40 if slow else 1)
+        script = self.script * (self.repeats if slow else 1)
         stats = GenerationStats(speculative=settings.speculative, prompt_tokens=len(prompt_ids))
         text, reason = "", "eos"
         for tokens, rejected in script:
@@ -215,6 +242,7 @@ def scripted_server(tmp_path_factory):
 def test_colours_xss_code_and_rejected(page, scripted_server):
     url, service = scripted_server
     service.engine.slow = False
+    service.engine.script = SCRIPT
     page.goto(url)
     page.wait_for_selector("#legend")
     send(page, "show me")
@@ -257,6 +285,7 @@ def test_stop_keeps_partial_answer(page, scripted_server):
     url, service = scripted_server
     store = service.store
     service.engine.slow = True
+    service.engine.script = SCRIPT
     page.goto(url)
     page.wait_for_selector("#legend")
     send(page, "slow please")
@@ -273,6 +302,7 @@ def test_stop_keeps_partial_answer(page, scripted_server):
 def test_edit_regenerate_sidebar_export_stats_and_model_errors(page, scripted_server):
     url, service = scripted_server
     service.engine.slow = False
+    service.engine.script = SCRIPT
     store = service.store
     page.goto(url)
     page.wait_for_selector("#legend")
@@ -280,6 +310,9 @@ def test_edit_regenerate_sidebar_export_stats_and_model_errors(page, scripted_se
     send(page, title)
     page.wait_for_selector("#chat-log .msg.assistant .stats")
     session = next(s for s in store.sessions() if s["title"] == title)
+    # The sidebar shows the (hostile) title as text.
+    page.locator("#session-list label", has_text="onerror").wait_for()
+    assert page.evaluate("() => window.pwned") is None
 
     # Regenerate replaces the answer (one answer stored, not two).
     page.locator("#regen").click()
@@ -294,11 +327,12 @@ def test_edit_regenerate_sidebar_export_stats_and_model_errors(page, scripted_se
     send(page, "edited question")
     page.wait_for_selector("#chat-log .msg.assistant .stats")
     assert [m["text"] for m in store.messages(session["id"])][0] == "edited question"
-
-    # The sidebar shows the (hostile) title as text; rename and export work.
-    entry = page.locator("#session-list label", has_text="onerror")
+    # The title follows the edited first message.
+    entry = page.locator("#session-list label", has_text="edited question")
     entry.wait_for()
-    assert page.evaluate("() => window.pwned") is None
+    assert store.session(session["id"])["title"] == "edited question"
+
+    # Rename and export work.
     entry.click()
     page.locator("#rename-box textarea, #rename-box input").first.fill("Renamed chat")
     page.get_by_role("button", name="Rename").click()
@@ -330,8 +364,162 @@ def test_edit_regenerate_sidebar_export_stats_and_model_errors(page, scripted_se
     send(page, "still alive?")
     page.wait_for_selector("#chat-log .msg.assistant .stats")
 
-    # Delete removes the session from the store and the sidebar.
+    # Delete asks first; the second press removes the session from the store and the sidebar.
     page.locator("#session-list label", has_text="Renamed chat").click()
+    page.wait_for_function(f"() => new URL(location.href).searchParams.get('session') == '{session['id']}'")
     page.get_by_role("button", name="Delete").click()
+    page.get_by_role("button", name="Confirm delete").wait_for()
+    assert "cannot be undone" in page.locator("#status").inner_text()
+    assert store.session(session["id"]) is not None
+    page.get_by_role("button", name="Confirm delete").click()
     page.wait_for_function("() => !document.querySelector('#session-list').innerText.includes('Renamed chat')")
     assert store.session(session["id"]) is None
+
+
+# -- issue 20: the chat as a newcomer meets it ----------------------------------------------------
+DOCS_PICTURE = ROOT / "docs" / "images" / "answer.png"
+
+
+def session_in_address(page) -> str | None:
+    return page.evaluate("() => new URL(location.href).searchParams.get('session')")
+
+
+def test_the_address_keeps_the_session_and_the_readme_picture(page, scripted_server):
+    url, service = scripted_server
+    service.engine.slow = False
+    service.engine.script = README_SCRIPT
+    page.set_viewport_size({"width": 900, "height": 900})
+    page.goto(url)
+    page.wait_for_selector("#legend")
+    send(page, "What makes speculative decoding fast?")
+    page.wait_for_selector("#chat-log .msg.assistant .stats")
+    page.wait_for_function("() => new URL(location.href).searchParams.get('session')")
+    sid = int(session_in_address(page))
+    assert service.store.session(sid)["title"] == "What makes speculative decoding fast?"
+
+    # Rejected drafts: small raised alternatives, never struck through the line of the answer,
+    # special tokens as words.
+    page.locator("#show-rej input").check()
+    page.wait_for_selector("#chat-log.show-rejected")
+    answer = last_answer(page)
+    rej = answer.locator("s.rej").first
+    token = answer.locator(".tok").first
+    style = lambda loc, prop: loc.evaluate(f"e => getComputedStyle(e).{prop}")
+    assert style(rej, "verticalAlign") == "super"
+    assert float(style(rej, "fontSize")[:-2]) < 0.8 * float(style(token, "fontSize")[:-2])
+    assert "⟨end of turn⟩" in answer.inner_text() and "im_end" not in answer.inner_text()
+
+    # The README's picture: the legend and this answer, as the browser draws them.
+    top = page.locator("#legend").bounding_box()
+    box = answer.bounding_box()
+    DOCS_PICTURE.parent.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(DOCS_PICTURE), clip={"x": box["x"] - 8, "y": top["y"] - 6, "width": box["width"] + 16,
+                                                "height": box["y"] + box["height"] - top["y"] + 12})
+
+    # A reload comes back to the same chat, colours and stats included.
+    page.reload()
+    page.wait_for_selector("#chat-log .msg.assistant .stats")
+    assert session_in_address(page) == str(sid)
+    assert last_answer(page).locator(".tok.o-lookup").count() > 0
+    assert "What makes speculative decoding fast?" in page.locator("#chat-log").inner_text()
+    # New chat leaves the address; another session has its own; picking one in the sidebar goes back.
+    page.get_by_role("button", name="New chat").click()
+    page.wait_for_function("() => !new URL(location.href).searchParams.get('session')")
+    send(page, "a second chat")
+    page.wait_for_function(f"() => !['{sid}', null].includes(new URL(location.href).searchParams.get('session'))")
+    page.locator("#session-list label", has_text="What makes speculative").click()
+    page.wait_for_function(f"() => new URL(location.href).searchParams.get('session') == '{sid}'")
+    # An address whose session is gone says so, and the address forgets it.
+    page.goto(url + "?session=987654")
+    page.wait_for_function("() => document.querySelector('#status').innerText.includes('not found')")
+    assert session_in_address(page) is None
+    service.engine.script = SCRIPT
+
+
+def test_the_legend_explains_itself(page, scripted_server):
+    url, _ = scripted_server
+    page.goto(url)
+    page.wait_for_selector("#legend")
+    chips = page.locator("#legend .legend-item")
+    labels = {chips.nth(i).inner_text(): chips.nth(i) for i in range(chips.count())}
+    # The default tree: serial head and context lookup; no MLP depths, no FTA (marked off).
+    for label in ("serial head", "context lookup", "target", "rejected draft"):
+        assert "off" not in labels[label].get_attribute("class"), label
+    for label in ("MLP heads", "FTA"):
+        assert "off" in labels[label].get_attribute("class") and "Off" in labels[label].get_attribute("title")
+        assert float(labels[label].evaluate("e => getComputedStyle(e).opacity")) < 1
+    for label, chip in labels.items():
+        tip = chip.get_attribute("title")
+        assert tip and "\n" not in tip and len(tip) < 140, label
+    # The rejected-draft chip does not look like the target's own (plain) chip.
+    colour = lambda label: labels[label].locator("> *").evaluate("e => getComputedStyle(e).backgroundColor")
+    assert colour("rejected draft") != colour("target")
+
+
+def test_numbers_stay_within_their_sliders(page, scripted_server):
+    url, service = scripted_server
+    page.goto(url)
+    page.wait_for_selector("#legend")
+    for elem, typed, kept in (("#temperature", "5", 2.0), ("#top-p", "0", 0.01), ("#max-new", "99999", 512),
+                              ("#max-new", "-3", 1)):
+        box = page.locator(f"{elem} input[type=number]")
+        assert float(box.get_attribute("max")) >= kept
+        box.fill(typed)
+        box.press("Enter")
+        page.wait_for_function(f"() => parseFloat(document.querySelector('{elem} input[type=number]').value) == {kept}")
+        # The slider itself agrees with its box.
+        page.wait_for_function(f"() => parseFloat(document.querySelector('{elem} input[type=range]').value) == {kept}")
+    assert service.max_new_tokens_limit == 512  # the slider's end is the model's context
+
+
+def test_compare_shows_both_answers_side_by_side_while_it_runs(page, scripted_server):
+    url, service = scripted_server
+    service.engine.script, service.engine.repeats = SCRIPT[:3], 3
+    service.engine.slow = True
+    try:
+        page.goto(url)
+        page.wait_for_selector("#legend")
+        page.locator("#msg textarea").fill("compare me")
+        page.locator("#compare-btn").click()
+        # Progress: the plain side says how far it got while it runs.
+        page.wait_for_function("() => (document.querySelector('#compare .compare-col') || {}).innerText"
+                               "?.includes('running…')", polling=50)
+        page.wait_for_selector("#compare .verdict", timeout=180_000)
+        cols = page.locator("#compare .compare-col")
+        assert cols.count() == 2
+        left, right = cols.nth(0), cols.nth(1)
+        assert "Plain decoding" in left.inner_text() and "Gumiho" in right.inner_text()
+        assert "tok/s" in left.locator(".compare-speed").inner_text()
+        assert "tok/s" in right.locator(".compare-speed").inner_text()
+        assert "identical" in page.locator("#compare .verdict").inner_text()
+        assert left.locator(".tok.o-target").count() > 0 and right.locator(".tok.o-serial").count() > 0
+        a, b = left.bounding_box(), right.bounding_box()
+        assert abs(a["y"] - b["y"]) < 2 and b["x"] >= a["x"] + a["width"]  # side by side
+        page.locator("#compare").screenshot(path=str(ARTIFACTS / "compare.png"))
+    finally:
+        service.engine.slow, service.engine.script, service.engine.repeats = False, SCRIPT, 40
+
+
+def test_a_400_px_window(page, scripted_server):
+    url, service = scripted_server
+    service.engine.slow = False
+    page.set_viewport_size({"width": 400, "height": 800})
+    page.goto(url)
+    page.wait_for_selector("#legend")
+    send(page, "narrow")
+    page.wait_for_selector("#chat-log .msg.assistant .stats")
+    # The sidebar does not cover the chat: what is drawn at the answer's centre is the answer.
+    answer = last_answer(page)
+    box = answer.bounding_box()
+    hit = page.evaluate("([x, y]) => !!document.elementFromPoint(x, y)?.closest('#chat-log')",
+                        [box["x"] + box["width"] / 2, box["y"] + min(box["height"] / 2, 20)])
+    assert hit and box["x"] >= 0 and box["x"] + box["width"] <= 400
+    # No label is cut: every label's text fits its box, and nothing makes the page scroll sideways.
+    # (An accordion's header is left out: Gradio draws its chevron past the text box, by design.)
+    cut = page.evaluate("""() => [...document.querySelectorAll('label, button:not(.label-wrap), .legend-item')]
+        .filter(e => e.offsetParent && e.scrollWidth > e.clientWidth + 1)
+        .map(e => [e.innerText.slice(0, 30), e.tagName, e.scrollWidth, e.clientWidth])""")
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "chat-400px.png"), full_page=True)
+    assert cut == []
+    assert page.evaluate("() => document.documentElement.scrollWidth") <= 400
