@@ -6,6 +6,8 @@ template), every method in turn after a warm-up:
 - plain:   our engine, speculative decoding off (the baseline);
 - gumiho:  our engine with the heads, and the context-lookup branch (context_lookup.py);
 - gumiho-heads: the same with the lookup off, so the heads' own share is visible;
+- gumiho-always: gumiho with the draft guard off (draft_guard.py): under sampling it drafts
+  the full tree at every step, so the guard's own effect is measured side by side;
 - hf:      transformers `generate`;
 - hf-pld:  transformers assisted generation with prompt lookup (a draft-free peer);
 - llama.cpp: llama-cpp-python on the same GGUF file, plain decoding (peers.py; optional).
@@ -27,11 +29,13 @@ from pathlib import Path
 import torch
 
 from .errors import GumihoError
+from .drafter import GumihoDrafter
 from .generate import Engine, run_to_end
 from .peers import METHOD as PEER, LlamaCppPeer, agreement
 from .settings import GenerationSettings, SamplingSettings, TreeSettings
 
-METHODS = ("plain", "gumiho", "gumiho-heads", "hf", "hf-pld", PEER)
+METHODS = ("plain", "gumiho", "gumiho-heads", "gumiho-always", "hf", "hf-pld", PEER)
+ENGINE_METHODS = ("plain", "gumiho", "gumiho-heads", "gumiho-always")
 DEFAULT_METHODS = ("plain", "gumiho", "hf", "hf-pld")
 
 
@@ -111,18 +115,35 @@ class Run:
 
 
 def run_method(method: str, engine: Engine, prompt_ids: list[int], settings: GenerationSettings,
-               peer: LlamaCppPeer | None = None) -> Run:
+               extras: dict | None = None) -> Run:
+    """One answer by `method`. extras: what a method needs besides the engine, made once
+    (method_extras): the llama.cpp model, the drafter without a guard."""
+    extras = extras or {}
     if method == PEER:
-        return Run(*peer.run(prompt_ids, settings, engine.target.eos_token_ids))
-    if method in ("plain", "gumiho", "gumiho-heads"):
+        return Run(*extras[PEER].run(prompt_ids, settings, engine.target.eos_token_ids))
+    if method in ENGINE_METHODS:
         if method == "gumiho-heads":
             settings = settings.with_(tree=replace(settings.tree, lookup_tokens=0))
         # Every method pays for its own prefill: no KV cache carried over from the method
         # that ran the same prompt just before.
-        done = run_to_end(engine, prompt_ids, settings.with_(speculative=method != "plain"), reuse_prefix=False)
+        drafter = extras.get(method)  # gumiho-always: the drafter without a guard
+        done = run_to_end(engine, prompt_ids, settings.with_(speculative=method != "plain"), reuse_prefix=False,
+                          drafter=drafter)
         s = done.stats
         return Run(done.token_ids, s.total_s, s.forward_passes, s.to_dict())
     return _run_hf(engine.target, prompt_ids, settings, prompt_lookup=method == "hf-pld")
+
+
+def method_extras(engine: Engine, methods, encoded: dict, settings: GenerationSettings, gguf) -> dict:
+    """What the methods need besides the engine, made once for the whole run."""
+    extras = {}
+    if PEER in methods:
+        longest = max(len(ids) for prompts in encoded.values() for ids in prompts)
+        extras[PEER] = LlamaCppPeer(gguf, torch.get_num_threads(), longest + settings.max_new_tokens + 8)
+    if "gumiho-always" in methods:
+        extras["gumiho-always"] = GumihoDrafter(engine.target, engine.heads)
+        extras["gumiho-always"].guard = None  # every step drafts the full tree
+    return extras
 
 
 @torch.inference_mode()
@@ -164,14 +185,11 @@ def benchmark(
         name: [target.chat_prompt([{"role": "user", "content": p}]) for p in prompts]
         for name, prompts in prompt_sets.items()
     }
-    peer = None
-    if PEER in methods:
-        longest = max(len(ids) for prompts in encoded.values() for ids in prompts)
-        peer = LlamaCppPeer(gguf, torch.get_num_threads(), longest + settings.max_new_tokens + 8)
+    extras = method_extras(engine, methods, encoded, settings, gguf)
     # Warm-up: first calls pay for lazy initialisation and allocator growth.
     warm = next(iter(encoded.values()))[0]
     for method in methods:
-        run_method(method, engine, warm, settings.with_(max_new_tokens=8), peer)
+        run_method(method, engine, warm, settings.with_(max_new_tokens=8), extras)
 
     report = {"settings": settings.to_dict(), "benchmarks": {}}
     for name, prompts in encoded.items():
@@ -181,7 +199,7 @@ def benchmark(
         for i, ids in enumerate(prompts):
             for method in methods:
                 with PeakRSS() as mem:
-                    runs[method].append(run_method(method, engine, ids, settings, peer))
+                    runs[method].append(run_method(method, engine, ids, settings, extras))
                 peaks[method] = max(peaks[method], mem.peak, mem.gpu_peak)
             if settings.sampling.greedy:
                 mismatches += _compare_outputs(runs, name, i, log)
@@ -270,7 +288,7 @@ def format_table(report: dict) -> str:
                              f"peak {e['peak_memory_mb']:.0f} MB")
     acc = []
     for n in names:
-        for m in ("gumiho", "gumiho-heads"):
+        for m in ("gumiho", "gumiho-heads", "gumiho-always"):
             g = report["benchmarks"][n]["methods"].get(m)
             if g:
                 acc.append(f"{n} {m}: " + " ".join(f"d{i + 1} {a:.2f}" for i, a in enumerate(g["acceptance_per_depth"])))

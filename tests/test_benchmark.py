@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from gumiho_core import Engine, GenerationSettings, new_heads
+from gumiho_core import Engine, GenerationSettings, SamplingSettings, new_heads
 from gumiho_core.benchmark import METHODS, benchmark, format_table, read_prompts
 from gumiho_core.errors import GumihoError
 from tiny import tiny_target
@@ -19,7 +19,7 @@ def test_benchmark_report_on_a_tiny_target():
     report = benchmark(engine, prompts, GenerationSettings(max_new_tokens=12), methods=ours, log=lambda s: None)
     bench = report["benchmarks"]["tiny"]
     assert bench["mismatches"] == [] and bench["prompts"] == 3
-    for method in ("plain", "gumiho", "gumiho-heads", "hf", "hf-pld"):
+    for method in ("plain", "gumiho", "gumiho-heads", "gumiho-always", "hf", "hf-pld"):
         entry = bench["methods"][method]
         assert entry["tokens_per_s_median"] > 0 and entry["new_tokens"] == 36
         assert entry["peak_memory_mb"] > 0
@@ -88,3 +88,15 @@ def test_peak_memory_is_per_block_and_needs_no_sampler():
     except OSError:
         return  # no resettable high-water mark here (not Linux, or not allowed): the sampler was used
     assert big._thread is None  # Linux: the kernel's high-water mark, nothing runs beside the code
+
+
+def test_sampled_run_reports_the_draft_guard_beside_always_drafting():
+    target = tiny_target(seed=0, eos=False)
+    engine = Engine(target, new_heads(target))
+    settings = GenerationSettings(max_new_tokens=24, sampling=SamplingSettings(temperature=1.0, seed=0))
+    report = benchmark(engine, {"t": ["w5 w6 w7", "w9 w10"]}, settings, methods=("plain", "gumiho", "gumiho-always"),
+                       log=lambda s: None)
+    (guarded,) = report["draft_guard"]  # one key: these sampling settings and tree
+    assert guarded["key"].startswith("temperature 1.0") and sum(m["steps"] for m in guarded["modes"].values()) > 0
+    assert report["benchmarks"]["t"]["methods"]["gumiho-always"]["new_tokens"] == 48  # its own drafter, no guard
+    assert "draft guard, temperature 1.0" in format_table(report)
