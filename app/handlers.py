@@ -391,18 +391,56 @@ def export(service: ChatService, session_id, kind: str) -> str | None:
 
 # -- the Stats tab --------------------------------------------------------------------------------
 def stats_outputs(service: ChatService):
-    """(speed plot, tau plot, table): one frame of every stored answer feeds all three."""
+    """(summary, speed plot, tau plot, table): one frame of every stored answer feeds all three."""
     import pandas as pd
 
-    rows = service.store.stats() if service.store else []
-    frame = pd.DataFrame(
-        [{"n": i + 1, "mode": "Gumiho" if r["speculative"] else "plain", "tokens_per_s": round(r["tokens_per_s"], 2),
-          "tau": round(r["tau"], 3), "ttft_ms": round(r["ttft_s"] * 1e3), "new_tokens": r["new_tokens"],
-          "forward_passes": r["forward_passes"], "model": r.get("model") or "", "when": r["created"]}
-         for i, r in enumerate(rows)],
-        columns=["n", "mode", "tokens_per_s", "tau", "ttft_ms", "new_tokens", "forward_passes", "model", "when"],
-    )
-    return frame, frame, frame
+    rows = stats_rows(service)
+    columns = ["n", "mode", "tokens_per_s", "tau", "looked_up_%", "heads_%", "target_%", "session", "prompt",
+               "ttft_ms", "new_tokens", "forward_passes", "model", "when"]
+    frame = pd.DataFrame(rows, columns=columns)
+    return speed_summary(rows), frame, frame, frame
+
+
+def stats_rows(service: ChatService) -> list[dict]:
+    """One row per stored answer: its numbers, the share of its tokens from each source, and the
+    session and prompt it answered (so an outlier, say a question asked twice, explains itself)."""
+    if service.store is None:
+        return []
+    titles = {s["id"]: s["title"] for s in service.store.sessions()}
+    messages: dict[int, list[dict]] = {}  # per session, loaded once
+    rows = []
+    for i, r in enumerate(service.store.stats()):
+        if r["session_id"] not in messages:
+            messages[r["session_id"]] = service.store.messages(r["session_id"])
+        chat = messages[r["session_id"]]
+        at = next((k for k, m in enumerate(chat) if m["id"] == r["message_id"]), len(chat))
+        prompt = next((m["text"] for m in reversed(chat[:at]) if m["role"] == "user"), "")
+        counts = render.token_sources(chat[at]["steps"] if at < len(chat) else [])
+        total = sum(counts.values()) or 1
+        rows.append({
+            "n": i + 1, "mode": "Gumiho" if r["speculative"] else "plain", "tokens_per_s": round(r["tokens_per_s"], 2),
+            "tau": round(r["tau"], 3), "looked_up_%": round(100 * counts["lookup"] / total),
+            "heads_%": round(100 * counts["heads"] / total), "target_%": round(100 * counts["target"] / total),
+            "session": titles.get(r["session_id"], ""), "prompt": " ".join(prompt.split())[:60],
+            "ttft_ms": round(r["ttft_s"] * 1e3), "new_tokens": r["new_tokens"], "forward_passes": r["forward_passes"],
+            "model": r.get("model") or "", "when": r["created"],
+        })
+    return rows
+
+
+def speed_summary(rows: list[dict]) -> str:
+    """The one line a reader wants: how much faster speculative answers are than plain ones here."""
+    import statistics
+
+    speeds = {mode: [r["tokens_per_s"] for r in rows if r["mode"] == mode and r["tokens_per_s"] > 0]
+              for mode in ("Gumiho", "plain")}
+    if not speeds["Gumiho"] or not speeds["plain"]:
+        return ("No speed-up to show yet: it needs answers with speculative decoding on and off "
+                "(Compare makes one of each).")
+    fast, slow = statistics.median(speeds["Gumiho"]), statistics.median(speeds["plain"])
+    return (f"**Speculative ×{fast / slow:.2f} the speed of plain decoding on this machine** (median "
+            f"{fast:.1f} tok/s over {len(speeds['Gumiho'])} Gumiho answers, {slow:.1f} tok/s over "
+            f"{len(speeds['plain'])} plain ones; answers differ in length and prompt, so Compare is the fair test).")
 
 
 # -- the /chat API (gradio_client) ----------------------------------------------------------------

@@ -353,8 +353,27 @@ def legend_html(tree=None, serial_depth: int = 2, has_heads: bool = True) -> str
     return f'<div class="legend" id="legend"><b>Token origin:</b> {on}{off}</div>'
 
 
-def stats_html(stats: dict | None, finish_reason: str | None = None) -> str:
-    """One line of numbers and a small bar chart of acceptance per draft depth."""
+def token_sources(steps: list[dict]) -> dict[str, int]:
+    """How many of an answer's tokens came from context lookup, from the draft heads, from the target."""
+    counts = {"lookup": 0, "heads": 0, "target": 0}
+    for step in steps or []:
+        for _text, origin, _depth in step.get("tokens", []):
+            counts[origin if origin in ("lookup", "target") else "heads"] += 1
+    return counts
+
+
+def sources_line(steps: list[dict]) -> str:
+    """"41% looked up · 33% heads · 26% target": why an answer was as fast as it was."""
+    counts = token_sources(steps)
+    total = sum(counts.values())
+    if not total:
+        return ""
+    return " · ".join(f"{counts[k] / total:.0%} {word}" for k, word in
+                      (("lookup", "looked up"), ("heads", "heads"), ("target", "target")))
+
+
+def stats_html(stats: dict | None, finish_reason: str | None = None, steps: list[dict] | None = None) -> str:
+    """One line of numbers, where the tokens came from, and a labelled chart of acceptance per draft depth."""
     if not stats:
         return ""
     mode = "Gumiho" if stats.get("speculative") else "plain"
@@ -368,16 +387,40 @@ def stats_html(stats: dict | None, finish_reason: str | None = None) -> str:
     ]
     if finish_reason:
         parts.append(esc(finish_reason))
-    bars = ""
-    rates = stats.get("acceptance_per_depth") or []
-    if stats.get("speculative") and rates:
-        cols = "".join(
-            f'<span class="bar" title="depth {d}: {r:.0%}"><span style="height:{max(0.0, min(1.0, r)) * 100:.0f}%">'
-            f"</span><i>{d}</i></span>"
-            for d, r in enumerate(rates, start=1)
-        )
-        bars = f'<span class="bars" title="acceptance rate per draft depth">{cols}</span>'
+    sources = sources_line(steps) if stats.get("speculative") else ""
+    if sources:
+        parts.append(f'<span class="sources" title="where the answer\'s tokens came from">{sources}</span>')
+    bars = _acceptance_bars(stats, steps or []) if stats.get("speculative") else ""
     return f'<div class="stats">{" · ".join(parts)} {bars}</div>'
+
+
+def _acceptance_bars(stats: dict, steps: list[dict]) -> str:
+    """Bars of P(draft accepted) by depth: the heads' depths one by one, the deeper ones (which
+    only looked-up chains reach, up to 32) as one bar, each titled with its rate and count."""
+    rates = stats.get("acceptance_per_depth") or []
+    if not rates:
+        return ""
+    accepted = [0] * len(rates)  # accepted draft tokens at each depth, from the answer's steps
+    for step in steps:
+        for _text, origin, depth in step.get("tokens", []):
+            if origin != "target" and 1 <= depth <= len(accepted):
+                accepted[depth - 1] += 1
+    heads_depth = min(len(rates), int((stats.get("tree") or {}).get("depth") or len(rates)))
+    groups = [(f"{d}", f"depth {d}", [d]) for d in range(1, heads_depth + 1)]
+    if len(rates) > heads_depth:
+        deeper = list(range(heads_depth + 1, len(rates) + 1))
+        groups.append((f"{deeper[0]}+", f"depths {deeper[0]}–{deeper[-1]} (looked-up chains only)", deeper))
+    cols = []
+    for label, name, depths in groups:
+        got = sum(accepted[d - 1] for d in depths)
+        # Drafts tried at a depth = accepted / rate (the rate is accepted / tried); a group's rate is then exact.
+        tried = sum(accepted[d - 1] / rates[d - 1] for d in depths if rates[d - 1] > 0)
+        rate = got / tried if tried else (rates[depths[0] - 1] if len(depths) == 1 else 0.0)
+        cols.append(f'<span class="bar" title="{esc(name)}: {rate:.0%} of drafts accepted ({got} tokens)">'
+                    f'<span style="height:{max(0.0, min(1.0, rate)) * 100:.0f}%"></span><i>{label}</i></span>')
+    return (f'<span class="bars-chart"><span class="bars-title">accepted by depth</span>'
+            f'<span class="bars" title="share of drafts the model accepted at each draft depth">{"".join(cols)}'
+            f'</span></span>')
 
 
 def message_html(message: dict, view: str = "colours") -> str:
@@ -397,7 +440,8 @@ def message_html(message: dict, view: str = "colours") -> str:
         note += f'<div class="error">{esc(message["error"])}</div>'
     if message.get("unsaved"):  # the database refused it: shown, never as if it were kept
         note += '<div class="error unsaved">not saved: the database refused this answer</div>'
-    stats = stats_html(message.get("stats"), message.get("finish_reason")) if role == "assistant" else ""
+    stats = (stats_html(message.get("stats"), message.get("finish_reason"), message.get("steps"))
+             if role == "assistant" else "")
     return f'<div class="msg {esc(role)}"><div class="who">{esc(role)}</div>{body}{note}{stats}</div>'
 
 

@@ -133,11 +133,16 @@ def _model_panel(service: ChatService, chat: SimpleNamespace) -> None:
 
 def _stats_tab() -> SimpleNamespace:
     with gr.Tab("Stats") as tab:
-        gr.Markdown("Speed and τ of every stored answer, speculative vs plain.")
+        gr.Markdown("Speed and τ of every stored answer, speculative vs plain, and where each answer's "
+                    "tokens came from (context lookup, draft heads, the target itself).")
         stats = SimpleNamespace(tab=tab, refresh=gr.Button("Refresh", size="sm"))
-        speed = gr.LinePlot(x="n", y="tokens_per_s", color="mode", title="tokens/s per answer", x_title="answer #")
-        tau = gr.LinePlot(x="n", y="tau", color="mode", title="τ (tokens per target pass)", x_title="answer #")
-        stats.outputs = [speed, tau, gr.Dataframe(interactive=False)]
+        summary = gr.Markdown(elem_id="speed-summary")
+        # Hovering a point shows its session, prompt and token sources (tooltip="all").
+        speed = gr.LinePlot(x="n", y="tokens_per_s", color="mode", title="tokens/s per answer", x_title="answer #",
+                            x_axis_format="d", tooltip="all")
+        tau = gr.LinePlot(x="n", y="tau", color="mode", title="τ (tokens per target pass)", x_title="answer #",
+                          x_axis_format="d", tooltip="all")
+        stats.outputs = [summary, speed, tau, gr.Dataframe(interactive=False, elem_id="stats-table")]
     return stats
 
 

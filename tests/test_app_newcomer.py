@@ -1,5 +1,6 @@
 """Issue 20 without a browser: the session address, the retitle after an edit, Delete's
 confirmation, the settings' ranges. The browser side is in tests/test_browser_chat.py."""
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -69,3 +70,30 @@ def test_values_past_the_sliders_are_refused_in_words(service, field, value, wor
     out = send(service, handlers.new_state(), "w5", **{"temp" if field == "temperature" else "n": value})
     assert word in out[3] and service.store.sessions() == []
     service.settings(Options(temperature=TEMPERATURE_MAX, max_new_tokens=service.max_new_tokens_limit))  # the ends are fine
+
+
+def test_stats_rows_say_where_tokens_came_from_and_the_summary_the_speed_up(service):
+    assert "No speed-up to show yet" in handlers.stats_outputs(service)[0]
+    st = send(service, handlers.new_state(), "w5 w6 w5 w6")[1]
+    st = send(service, st, "w7", spec_on=False)[1]
+    summary, _, _, table = handlers.stats_outputs(service)
+    assert "the speed of plain decoding on this machine" in summary and "over 1 Gumiho" in summary
+    gumiho, plain = table.to_dict("records")
+    assert (gumiho["session"], gumiho["prompt"], plain["prompt"]) == ("w5 w6 w5 w6", "w5 w6 w5 w6", "w7")
+    assert gumiho["looked_up_%"] + gumiho["heads_%"] + gumiho["target_%"] in (99, 100, 101)
+    assert (plain["looked_up_%"], plain["heads_%"], plain["target_%"]) == (0, 0, 100)
+    assert list(table["n"]) == [1, 2]
+
+
+def test_acceptance_bars_are_labelled_and_looked_up_depths_grouped():
+    from app import render
+
+    steps = [{"tokens": [["a", "serial", 1], ["b", "serial", 2], ["c", "lookup", 3], ["d", "lookup", 4],
+                         ["e", "target", 0]], "rejected": []}]
+    stats = {"speculative": True, "tokens_per_s": 9.0, "ttft_s": 0.1, "tau": 5.0, "new_tokens": 5,
+             "forward_passes": 1, "acceptance_per_depth": [0.5, 1.0, 1.0, 0.5], "tree": {"depth": 2}}
+    html = render.stats_html(stats, "eos", steps)
+    titles = re.findall(r'class="bar" title="([^"]+)"', html)
+    assert titles == ["depth 1: 50% of drafts accepted (1 tokens)", "depth 2: 100% of drafts accepted (1 tokens)",
+                      "depths 3–4 (looked-up chains only): 67% of drafts accepted (2 tokens)"]
+    assert "accepted by depth" in html and "40% looked up · 40% heads · 20% target" in html

@@ -350,6 +350,10 @@ def test_edit_regenerate_sidebar_export_stats_and_model_errors(page, scripted_se
     page.get_by_role("tab", name="Stats").click()
     page.get_by_role("button", name="Refresh").click()
     page.wait_for_function("() => document.body.innerText.includes('tokens/s per answer')")
+    # Each row names its session and prompt and where its tokens came from; one line sums up.
+    page.wait_for_function("() => document.body.innerText.includes('looked_up_%')"
+                           " && document.body.innerText.includes('edited question')")
+    assert "speed" in page.locator("#speed-summary").inner_text()
     page.wait_for_timeout(500)
     page.screenshot(path=str(ARTIFACTS / "stats-tab.png"), full_page=True)
 
