@@ -124,10 +124,12 @@ def _model_panel(service: ChatService, chat: SimpleNamespace) -> None:
         chat.model_status = gr.Markdown(handlers.model_note(service))
         with gr.Row():
             # Suggestions from models/, assets/heads/ and runs/; any local path can be typed.
-            chat.model_path = gr.Dropdown(["", *models.model_choices()], value="", allow_custom_value=True,
-                                          label="Model folder or .gguf (empty = default)", elem_id="model-path")
-            chat.heads_path = gr.Dropdown(["", *models.heads_choices()], value="", allow_custom_value=True,
-                                          label="Heads folder (empty = shipped or untrained)", elem_id="heads-path")
+            # The empty choice carries words: Gradio draws an empty label as a lone check mark.
+            chat.model_path = gr.Dropdown([("(the default model)", ""), *models.model_choices()], value="",
+                                          allow_custom_value=True, label="Model folder or .gguf",
+                                          elem_id="model-path")
+            chat.heads_path = gr.Dropdown([("(shipped heads, or none)", ""), *models.heads_choices()], value="",
+                                          allow_custom_value=True, label="Heads folder", elem_id="heads-path")
         chat.load = gr.Button("Load model")
 
 

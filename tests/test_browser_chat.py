@@ -527,3 +527,47 @@ def test_a_400_px_window(page, scripted_server):
     page.screenshot(path=str(ARTIFACTS / "chat-400px.png"), full_page=True)
     assert cut == []
     assert page.evaluate("() => document.documentElement.scrollWidth") <= 400
+
+
+def test_the_model_picker_names_its_empty_choice_and_keeps_what_is_typed(page, tmp_path, monkeypatch):
+    import uvicorn
+
+    import tiny
+    from app import models
+    from app.server import create_app
+    from gumiho_core import GumihoError
+
+    monkeypatch.setattr(models, "model_choices", lambda: ["/models/smol-big", "/models/smol-bigger"])
+    app = create_app(ScriptedEngine(tiny.tiny_target()), tmp_path / "c.db", model_name="scripted")
+    asked = []
+
+    def load_model(model=None, heads=None):  # what the Load button asked for, refused in one line
+        asked.append(model)
+        raise GumihoError(f"model path not found: {model}")
+
+    app.state.service.load_model = load_model
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        wait_http(f"http://127.0.0.1:{port}/", timeout=60)
+        page.goto(f"http://127.0.0.1:{port}/")
+        page.wait_for_selector("#legend")
+        page.get_by_text("Model", exact=True).click()
+        box = page.locator("#model-path input")
+        assert box.input_value() == "(the default model)"
+        for enter in (False, True):  # a prefix of two suggestions, loaded with and without Enter first
+            box.fill("/models/smol")
+            if enter:
+                box.press("Enter")
+            before = len(asked)
+            page.get_by_role("button", name="Load model").click()
+            deadline = time.time() + 60
+            while len(asked) == before and time.time() < deadline:
+                page.wait_for_timeout(100)
+            assert asked[before:] == ["/models/smol"] and box.input_value() == "/models/smol"
+        page.wait_for_function("() => document.body.innerText.includes('error: model path not found')")
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
