@@ -97,3 +97,16 @@ def test_acceptance_bars_are_labelled_and_looked_up_depths_grouped():
     assert titles == ["depth 1: 50% of drafts accepted (1 tokens)", "depth 2: 100% of drafts accepted (1 tokens)",
                       "depths 3–4 (looked-up chains only): 67% of drafts accepted (2 tokens)"]
     assert "accepted by depth" in html and "40% looked up · 40% heads · 20% target" in html
+
+
+def test_the_api_keeps_the_same_ranges(engine, tmp_path):
+    from fastapi.testclient import TestClient
+
+    from app.server import create_app
+
+    client = TestClient(create_app(engine, tmp_path / "api.db", model_name="tiny"))
+    user = [{"role": "user", "content": "w5"}]
+    for field, value in (("temperature", 2.5), ("max_tokens", 100_000)):
+        r = client.post("/v1/chat/completions", json={"messages": user, field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field and "at most" in r.text
+    assert client.post("/v1/chat/completions", json={"messages": user, "temperature": 2, "max_tokens": 3}).status_code == 200
