@@ -431,11 +431,12 @@ def test_the_address_keeps_the_session_and_the_readme_picture(page, scripted_ser
     page.wait_for_function("() => !new URL(location.href).searchParams.get('session')")
     send(page, "a second chat")
     page.wait_for_function(f"() => !['{sid}', null].includes(new URL(location.href).searchParams.get('session'))")
+    page.wait_for_selector("#chat-log .msg.assistant .stats")  # the answer is done: nothing redraws the log now
     page.locator("#session-list label", has_text="What makes speculative").click()
     page.wait_for_function(f"() => new URL(location.href).searchParams.get('session') == '{sid}'")
     # An address whose session is gone says so, and the address forgets it.
     page.goto(url + "?session=987654")
-    page.wait_for_function("() => document.querySelector('#status').innerText.includes('not found')")
+    page.wait_for_function("() => document.querySelector('#status')?.innerText.includes('not found')")
     assert session_in_address(page) is None
     service.engine.script = SCRIPT
 
