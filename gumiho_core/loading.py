@@ -21,21 +21,36 @@ from .target import load_target
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 SHIPPED_HEADS = PROJECT_ROOT / "assets" / "heads" / "smollm2-135m-instruct"
+# The embedded default model's precision when none is asked for. Its GGUF stores 4-bit
+# groupwise weights (Q4_1, groups of 32): int4 recovers that grid, reads a quarter of the
+# float32 bytes per pass, and its greedy answers are measured against float32 in
+# docs/hardware.md. Any other model keeps the precision it was given.
+DEFAULT_MODEL_QUANTIZE = "int4"
 
 
 def load_engine(model: str | None = None, heads: str | None = None, dtype: str = "float32",
-                quantize: str | None = None, device: str = "cpu", need_heads: bool = True,
-                warn=lambda text: print(text, file=sys.stderr), fast: bool = True) -> tuple[Engine, str]:
+                quantize: str | None = "auto", device: str = "cpu", need_heads: bool = True,
+                warn=lambda text: print(text, file=sys.stderr), fast: bool = True,
+                keep_transformers: bool = False) -> tuple[Engine, str]:
     """Target + heads. Returns (engine, heads note: "shipped", the heads path, "untrained" or "").
+
+    quantize "auto": DEFAULT_MODEL_QUANTIZE for the embedded default model in float32 on a CPU,
+    else none. Where the fast decoder runs the passes, transformers' own decoder layers are released
+    (memory) unless `keep_transformers` (the benchmark's `hf` methods run them).
 
     Without `heads`: the default model gets its shipped heads; another model gets untrained
     heads if `need_heads` (drafting stays lossless, only slow: `warn` says so), else none.
     """
     if heads:
         heads_layout(Path(heads))  # a wrong path fails before the target loads
+    if quantize == "auto":
+        default_case = model is None and dtype == "float32" and device == "cpu" and fast
+        quantize = DEFAULT_MODEL_QUANTIZE if default_case else None
     target = load_target(model, dtype=dtype, quantize=quantize, device=device, fast=fast)
     if target.fast_note:
         warn(f"note: {target.fast_note}; passes run on transformers' forward")
+    if target.fast is not None and not keep_transformers:
+        target.release_transformers_layers()
     if heads:
         return Engine(target, load_heads(heads, target)), str(heads)
     if model is None and SHIPPED_HEADS.exists():

@@ -37,6 +37,16 @@ class Target:
     # at load; None: every pass goes through the transformers model.
     fast: object = None
     fast_note: str = ""  # why the transformers path runs instead, when one was asked for
+    transformers_layers: bool = True  # False once released (release_transformers_layers)
+
+    def release_transformers_layers(self) -> None:
+        """Free the transformers decoder layers where the fast decoder runs every pass: its own
+        copy of them is all a chat needs, and the float32 originals are most of the memory
+        (SmolLM2-135M: 430 MB of 540). The embedding and lm_head stay: drafting reads them."""
+        if self.fast is None:
+            raise GumihoError("the transformers layers run every pass here; they cannot be released")
+        self.model.base_model.layers = torch.nn.ModuleList()
+        self.transformers_layers = False
 
     @property
     def config(self):

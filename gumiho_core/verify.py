@@ -23,6 +23,7 @@ import torch
 
 from .cpu_matmul import pack_for_rows
 from .draft_tree import DraftTree
+from .errors import GumihoError
 from .sampling import TokenChooser
 
 
@@ -54,6 +55,8 @@ def run_target(target, cache, input_ids: torch.Tensor, position_ids: torch.Tenso
     logits_for: indices of the rows that need logits (None = all). The lm_head over a
     large vocabulary is a big part of a small model's cost, so prefill asks for one row.
     """
+    if not target.transformers_layers:
+        raise GumihoError("this engine was loaded for the fast decoder alone (transformers' layers released)")
     out = target.base(
         input_ids=input_ids[None],
         position_ids=position_ids[None],

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from gumiho_core import Engine, GenerationSettings, HeadCheckpoint, new_heads, run_to_end
 from gumiho_core.loading import SHIPPED_HEADS
@@ -50,3 +51,42 @@ def test_4bit_bitsandbytes_load_decodes_losslessly():
     spec = run_to_end(engine, ids, GenerationSettings(max_new_tokens=16))
     plain = run_to_end(engine, ids, GenerationSettings(max_new_tokens=16, speculative=False))
     assert spec.token_ids == plain.token_ids and len(spec.token_ids) > 0
+
+
+@pytest.mark.parametrize("precision", ["bfloat16", "int8", "int4"])
+def test_fast_decoder_precisions_on_the_default_model(precision):
+    """The real model in each low precision: speculative == plain but for near-ties
+    (test_fast_decoder.py says why), and the answer still reads as an answer."""
+    from gumiho_core import load_target
+    from test_fast_decoder import NEAR_TIE, top_two_margin
+
+    quantize = precision if precision.startswith("int") else None
+    target = load_target(None, dtype="bfloat16" if quantize is None else "float32", quantize=quantize)
+    assert target.fast is not None and target.fast.dtype.is_floating_point
+    engine = Engine(target, default_heads(target))
+    for prompt in PROMPTS:
+        ids = target.chat_prompt([{"role": "user", "content": prompt}])
+        spec = run_to_end(engine, ids, GenerationSettings(max_new_tokens=40))
+        plain = run_to_end(engine, ids, GenerationSettings(max_new_tokens=40, speculative=False))
+        assert plain.text.strip()
+        if spec.token_ids != plain.token_ids:
+            at = next(i for i, (a, b) in enumerate(zip(spec.token_ids, plain.token_ids)) if a != b)
+            assert top_two_margin(target, ids + plain.token_ids[:at]) < 4 * NEAR_TIE, (prompt, at)
+
+
+def test_the_default_engine_is_int4_on_the_fast_decoder_alone():
+    """What `make run` loads: int4 weights, transformers' float32 layers released (memory), and
+    a pass that would need them says so in words instead of running a stack with no layers."""
+    from gumiho_core.errors import GumihoError
+    from gumiho_core.loading import load_engine
+    from gumiho_core.quantize import Int4WeightOnlyLinear
+    from gumiho_core.verify import run_target
+
+    engine, note = load_engine(None, None)
+    target = engine.target
+    assert note == "shipped" and isinstance(target.fast.layers[0].down, Int4WeightOnlyLinear)
+    assert not target.transformers_layers and len(target.model.base_model.layers) == 0
+    ids = target.chat_prompt([{"role": "user", "content": PROMPTS[0]}])
+    assert "Paris" in run_to_end(engine, ids, GenerationSettings(max_new_tokens=12)).text
+    with pytest.raises(GumihoError, match="transformers' layers released"):
+        run_target(target, None, torch.tensor(ids), torch.arange(len(ids)))

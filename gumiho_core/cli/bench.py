@@ -40,7 +40,8 @@ def run(args) -> int:
         raise GumihoError(f"--methods must include plain and be among {', '.join(METHODS)}")
     gguf = peer_gguf(args.model) if PEER in methods else None  # refused before a model loads
     torch.set_num_threads(args.threads or torch.get_num_threads())
-    engine, heads_note = engine_from_args(args)
+    # transformers' own layers stay loaded only for the methods that run them
+    engine, heads_note = engine_from_args(args, keep_transformers=any(m.startswith("hf") for m in methods))
     mkl = "MKL AVX-512/AVX2 path on AMD (mkl_on_amd)" if mkl_on_amd_active() else "MKL default path"
     print(f"target {engine.target.name}, heads {heads_note}, threads {torch.get_num_threads()}, {mkl}", file=sys.stderr)
     # The measured cost curve and the budget it implies are always printed; they are used

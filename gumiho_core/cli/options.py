@@ -5,6 +5,7 @@ import argparse
 import sys
 
 from .. import loading
+from ..errors import GumihoError
 from ..settings import TreeSettings
 
 TREE_FLAGS = ("top_k", "total_tokens", "depth", "mlp_topk", "pruning", "fta_tokens", "lookup_tokens")
@@ -14,9 +15,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF folder, .gguf file or hub id (default: embedded SmolLM2-135M)")
     p.add_argument("--heads", default=None, help="heads checkpoint folder (default: shipped heads for the default model)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    p.add_argument("--quantize", default=None, choices=["int8", "int4", "4bit", "8bit"],
+    p.add_argument("--quantize", default="auto", choices=["auto", "none", "int8", "int4", "4bit", "8bit"],
                    help="weight-only int8 / int4 on the fast decoder (PyTorch's kernels, CPU or GPU), "
-                        "or bitsandbytes 4bit / 8bit (CUDA)")
+                        "bitsandbytes 4bit / 8bit (CUDA), none; auto (default): int4 for the embedded "
+                        "default model on a CPU, none for any other")
     p.add_argument("--no-fast", dest="fast", action="store_false",
                    help="run every pass through transformers' forward instead of the fast decoder")
     p.add_argument("--device", default="cpu", help="cpu, cuda or auto")
@@ -53,10 +55,21 @@ def check_tree(args) -> TreeSettings:
     return TreeSettings().with_overrides(**given_tree(args))
 
 
-def engine_from_args(args, need_heads: bool = True):
+def engine_from_args(args, need_heads: bool = True, keep_transformers: bool = False):
     """(engine, heads note) for the model flags."""
-    return loading.load_engine(args.model, args.heads, dtype=args.dtype, quantize=args.quantize,
-                               device=args.device, need_heads=need_heads, fast=args.fast)
+    quantize = None if args.quantize == "none" else args.quantize
+    return loading.load_engine(args.model, args.heads, dtype=args.dtype, quantize=quantize,
+                               device=args.device, need_heads=need_heads, fast=args.fast,
+                               keep_transformers=keep_transformers)
+
+
+def training_quantize(args) -> str | None:
+    """Training reads transformers' forward (features, gradients): bitsandbytes or nothing.
+    "auto" is the chat's choice of precision, not training's."""
+    if args.quantize in ("int8", "int4"):
+        raise GumihoError(f"--quantize {args.quantize} is for the chat's fast decoder; "
+                          "training reads the float model (or bitsandbytes 4bit / 8bit)")
+    return None if args.quantize in ("auto", "none") else args.quantize
 
 
 def tree_from_args(engine, args) -> TreeSettings:

@@ -10,7 +10,7 @@ from ..target import load_target
 from ..train import DRAFT_VOCAB_SIZE, P_WEIGHT, V_WEIGHT, export_heads, train
 from ..prompts import builtin_prompts
 from ..train_data import generate_dataset, read_prompt_file, self_prompts_for
-from .options import add_model_args
+from .options import add_model_args, training_quantize
 
 
 def register(sub) -> None:
@@ -78,7 +78,7 @@ def run_train_data(args) -> int:
         prompts += read_prompt_file(args.prompts)
     if not prompts and args.self_prompts <= 0:
         raise GumihoError("no prompts: give --num-prompts > 0, --self-prompts > 0 or --prompts FILE")
-    target = load_target(args.model, dtype=args.dtype, quantize=args.quantize, device=args.device)
+    target = load_target(args.model, dtype=args.dtype, quantize=training_quantize(args), device=args.device, fast=False)
     if args.self_prompts > 0:
         prompts += self_prompts_for(target, args.out, args.self_prompts, args.seed, args.batch_size)
     manifest = generate_dataset(target, args.out, prompts, args.max_new_tokens, args.batch_size, args.shard_size,
@@ -92,7 +92,7 @@ def run_train_data(args) -> int:
 def run_train(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
-    target = load_target(args.model, dtype=args.dtype, quantize=args.quantize, device=args.device)
+    target = load_target(args.model, dtype=args.dtype, quantize=training_quantize(args), device=args.device, fast=False)
     result = train(target, args.data, args.out, epochs=args.epochs, batch_size=args.batch_size,
                    grad_accum=args.grad_accum, lr=args.lr, warmup_steps=args.warmup_steps, max_len=args.max_len,
                    draft_vocab_size=args.draft_vocab, seed=args.seed, resume=not args.no_resume,
