@@ -9,7 +9,7 @@ as one more branch (draft_tree.add_chain), so the target verifies heads' guesses
 looked-up ones in the same pass, and output stays exactly the target's.
 
 Measured on this project's bench answers (SmolLM2-135M greedy, 256 tokens; the analysis
-that chose the defaults is in the README): a match of 2-3 tokens is found at 23 % of the
+that chose the defaults is in docs/benchmarks.md): a match of 2-3 tokens is found at 23 % of the
 steps on mt_bench and then 3.9 tokens are accepted on average; a 1-token match is found at
 57 % but buys ~1 token. 1-token matches are still tried, because `LookupLength` shortens
 the chain after refusals, so a poor guess costs few tree rows (mt_bench, 10 prompts: tau

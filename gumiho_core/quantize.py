@@ -14,7 +14,7 @@ with activations in bfloat16 (the CPU's AVX512-BF16 / AMX units; a GPU's tensor 
 
 Only the fast decoder's linear layers and its lm_head change; norms and the rotary table
 stay exact, and every pass - plain or speculative - runs the same kernels, so speculative
-output still equals plain output of the same precision (see README for row counts).
+output still equals plain output of the same precision (docs/fast_decoder.md: row counts).
 """
 from __future__ import annotations
 
