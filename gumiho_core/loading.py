@@ -22,11 +22,11 @@ from .target import load_target
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 SHIPPED_HEADS = PROJECT_ROOT / "assets" / "heads" / "smollm2-135m-instruct"
-# The embedded default model's precision when none is asked for. Its GGUF stores 4-bit
-# groupwise weights (Q4_1, groups of 32): int4 recovers that grid, reads a quarter of the
-# float32 bytes per pass, and its greedy answers are measured against float32 in
-# docs/hardware.md. Any other model keeps the precision it was given.
-DEFAULT_MODEL_QUANTIZE = "int4"
+# The embedded default model's precision when none is asked for: float32 on the fast decoder.
+# int4 (its GGUF's own 4-bit grid) decodes plain 1.4x faster still, but measured on mt_bench
+# (5 x 128, docs/fast_decoder.md) speculative answers parted from plain ones at near-ties in
+# 4 of 5 answers and Gumiho ran slower than int4 plain: not a default until both are fixed.
+DEFAULT_MODEL_QUANTIZE = None
 
 
 def load_engine(model: str | None = None, heads: str | None = None, dtype: str = "float32",
