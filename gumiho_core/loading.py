@@ -65,7 +65,8 @@ def load_engine(model: str | None = None, heads: str | None = None, dtype: str =
 
 def _return_freed_memory() -> None:
     """Loading makes float32 copies it frees again (conversion, quantization, released layers);
-    glibc keeps such memory for reuse unless asked to hand it back (default chat after one answer: 1.70 -> 1.47 GB resident)."""
+    glibc keeps such memory for reuse unless asked to hand it back (int4 chat after one answer:
+    1.70 -> 1.47 GB resident)."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: nothing to do

@@ -60,7 +60,7 @@ class Int4WeightOnlyLinear(nn.Module):
         q = torch.round((groups - low[..., None]) / scales[..., None]).clamp(0, 15).to(torch.int32)
         # The kernel reads w = (q - 8) * scale + zero, so zero = low + 8 * scale.
         scales_and_zeros = torch.stack([scales, low + 8 * scales], dim=-1).transpose(0, 1).contiguous()
-        self.cuda = w.is_cuda
+        self.on_cuda = w.is_cuda  # not `cuda`: that is nn.Module's own method
         q = q.reshape(out_features, in_features)
         self.register_buffer("weight", self._pack(q))
         self.register_buffer("scales_and_zeros", scales_and_zeros.to(torch.bfloat16))
@@ -68,14 +68,14 @@ class Int4WeightOnlyLinear(nn.Module):
         self.out_features, self.group = out_features, group
 
     def _pack(self, q: torch.Tensor) -> torch.Tensor:
-        if self.cuda:
+        if self.on_cuda:
             as_bytes = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
             return torch.ops.aten._convert_weight_to_int4pack(as_bytes, 8)
         return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        if self.cuda:
+        if self.on_cuda:
             y = torch.ops.aten._weight_int4pack_mm(rows, self.weight, self.group, self.scales_and_zeros)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.weight, self.group, self.scales_and_zeros)

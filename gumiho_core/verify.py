@@ -40,8 +40,7 @@ def tree_attention_mask(tree: DraftTree, past_len: int, dtype: torch.dtype, devi
     n = len(tree)
     allowed = torch.zeros(n + padding, past_len + n + padding, dtype=torch.bool)
     allowed[:n, :past_len] = True
-    allowed[:n, past_len : past_len + n] = tree.ancestor_mask()
-    allowed[n:, past_len + n :] = torch.eye(padding, dtype=torch.bool)
+    allowed[:, past_len:] = padded_ancestors(tree, padding)
     allowed = allowed.to(device)
     mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
