@@ -39,7 +39,7 @@ class DraftStep:
 
     context: torch.Tensor  # every token so far, prompt first; the last is the root
     features: torch.Tensor  # (len(context) - 1, H): the target's features of the cached tokens
-    room: int  # the deepest draft the target's context still has room for (at least 1)
+    room: int  # the deepest draft the target's context still has room for (0: the root only)
 
     @property
     def root(self) -> int:
@@ -84,17 +84,18 @@ class GumihoDrafter(Drafter):
     draft-vocabulary projection, and the lookup's length. Its cache is kept between
     generations for the tokens the next prompt shares with what it read.
 
-    Under sampling it drafts only as far as drafting pays (draft_guard.py): each step is
-    the full tree ("heads"), the root and a looked-up chain ("lookup"), or the root alone
+    It drafts only as far as drafting pays (draft_guard.py), at every temperature: each step
+    is the full tree ("heads"), the root and a looked-up chain ("lookup"), or the root alone
     ("root", plain decoding's step), whichever gave the most tokens per second lately at
-    these settings. Under greedy decoding it always drafts the full tree: the tree budget
-    (tree_budget.py) measured what these heads are accepted at exactly that rule.
-    `guard = None` drafts every step under sampling too (tests of the acceptance rule).
+    these settings. Greedy decoding is guarded too: where a target's multi-row pass is dear
+    (int4 on a CPU: 8 rows cost 2x one) a tree can lose to plain decoding even at tau ~1.6.
+    `guard = None` drafts the full tree every step (tests of the acceptance rule, the tree
+    budget's calibration).
     """
 
     def __init__(self, target, heads: GumihoHeads):
         self.target, self.heads = target, heads
-        self.projection = DraftVocabProjection(target.lm_head, heads.draft_vocab)
+        self.projection = DraftVocabProjection(target.lm_head, heads.draft_vocab, heads.dtype)
         self.cache = heads.new_cache()
         # The context at the cache's last read: draft position i read token i+1 with target
         # feature i. Kept as a tensor, turned into a list only when a generation begins.
@@ -103,14 +104,14 @@ class GumihoDrafter(Drafter):
         self.lookup = LookupLength(0)
         self.chain: list[int] = []  # the looked-up tokens offered in this step's tree
         self.guard: DraftGuard | None = DraftGuard()
-        self.guarded = False  # the guard picks this generation's modes (sampling only)
+        self.guarded = False  # the guard picks this generation's modes
         self.mode = "heads"  # this step's mode, and when its drafting started
         self.started = 0.0
 
     def begin(self, prompt_ids: list[int], shared: int, settings: GenerationSettings) -> None:
         self.tree = settings.tree
         self.lookup, self.chain = LookupLength(self.tree.lookup_tokens), []
-        self.guarded = self.guard is not None and not settings.sampling.greedy
+        self.guarded = self.guard is not None
         if self.guarded:
             self._guard_begin(settings)
         # Below depth 1, drafting multiplies one row per beam (cpu_matmul.py).
@@ -150,7 +151,7 @@ class GumihoDrafter(Drafter):
         self.mode = self.guard.pick() if self.guarded else "heads"
         self.chain = []
         root_only = DraftTree.root_only(step.root, step.context.device)
-        if self.mode == "root":
+        if self.mode == "root" or step.room < 1:
             return root_only
         if self.lookup.tokens:
             self.chain = continuation(step.context, min(self.lookup.tokens, step.room))

@@ -81,8 +81,9 @@ class StopRule:
         return None
 
     def after_step(self, context_tokens: int) -> str | None:
-        # The next step's root needs a position of its own.
-        return "context" if context_tokens + 1 >= self.max_context else None
+        # The next step's root (the last context token, not yet read) needs a position of its
+        # own: 0 .. max_context - 1. The token that step makes needs none.
+        return "context" if context_tokens >= self.max_context else None
 
 
 @dataclass
@@ -229,7 +230,7 @@ class _Generation:
         past_len = self.cache.get_seq_length()
         t0 = time.perf_counter()
         self.consistent = False
-        room = max(1, self.target.max_context - past_len - 1)
+        room = self.target.max_context - past_len - 1  # the root sits at past_len
         tree = self.drafter.draft(DraftStep(self.context, self.features, room))
         t1 = time.perf_counter()
         features, logits = self.passes.verify(self.cache, tree, past_len)

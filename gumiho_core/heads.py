@@ -222,7 +222,8 @@ class GumihoHeads(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.fc.weight.dtype
+        # A norm's weight: an inference copy's linear layers may hold a packed weight only.
+        return self.layers[0].post_attention_layernorm.weight.dtype
 
     def new_cache(self) -> DraftCache:
         return DraftCache(self.config.num_layers)
@@ -276,17 +277,18 @@ class DraftVocabProjection:
     tokens (or the whole lm_head, shared, when the heads draft over every token).
     """
 
-    def __init__(self, lm_head: nn.Module, token_ids: torch.Tensor | None = None):
+    def __init__(self, lm_head: nn.Module, token_ids: torch.Tensor | None = None, dtype=None):
+        """dtype: the draft rows' precision (the heads'); default the lm_head's."""
         self.token_ids = token_ids
-        self.dtype = lm_head.weight.dtype
+        self.dtype = lm_head.weight.dtype if token_ids is None else (dtype or lm_head.weight.dtype)
         self.project = lm_head  # the full vocabulary: the target's own lm_head as it is
         if token_ids is not None:
             bias = getattr(lm_head, "bias", None)
             rows = nn.Linear(lm_head.weight.shape[1], len(token_ids), bias=bias is not None,
                              device=lm_head.weight.device, dtype=self.dtype)
-            rows.weight.data = lm_head.weight.detach()[token_ids].contiguous()
+            rows.weight.data = lm_head.weight.detach()[token_ids].to(self.dtype).contiguous()
             if bias is not None:
-                rows.bias.data = bias.detach()[token_ids]
+                rows.bias.data = bias.detach()[token_ids].to(self.dtype)
             self.project = fast_linear(rows.requires_grad_(False))  # our own layer: no copy needed
 
     def log_probs(self, x: torch.Tensor) -> torch.Tensor:
@@ -362,6 +364,12 @@ def place(heads: GumihoHeads, target=None, device=None, dtype=None) -> GumihoHea
 
 
 def _float_dtype(target) -> torch.dtype:
+    # Heads draft in the activations' precision of the passes they feed: bfloat16 where the
+    # fast decoder runs bfloat16 / int8 / int4 (half the bytes a draft step reads; drafting's
+    # arithmetic changes what is proposed, never what is accepted).
+    fast = getattr(target, "fast", None)
+    if fast is not None and fast.dtype == torch.bfloat16:
+        return torch.bfloat16
     dtype = target.embed_tokens.weight.dtype
     return dtype if dtype.is_floating_point else torch.float32
 

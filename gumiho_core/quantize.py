@@ -9,7 +9,9 @@ with activations in bfloat16 (the CPU's AVX512-BF16 / AMX units; a GPU's tensor 
   offset (`aten._weight_int4pack_mm_for_cpu` / `_weight_int4pack_mm` on CUDA). This is the
   layout of the default GGUF's Q4_1 blocks (4-bit, asymmetric, groups of 32): quantizing the
   weights that file de-quantized to recovers its own grid;
-- "bfloat16": the weights halved in size, no quantization;
+- "bfloat16": the weights halved in size, no quantization, re-laid out once for oneDNN
+  (cpu_matmul.PackedBF16Linear): on AMX a 16-row product costs ~1.25x a 1-row one, where the
+  int8 / int4 kernels' cost grows with every 4 rows - the precision in which trees pay most;
 - "float32": the weights as loaded, in the CPU-friendly layouts of cpu_matmul.py.
 
 Only the fast decoder's linear layers and its lm_head change; norms and the rotary table
@@ -21,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .cpu_matmul import fast_linear, use_fast_cpu_layouts
+from .cpu_matmul import bf16_packing_available, fast_linear, use_fast_cpu_layouts
 from .errors import GumihoError
 
 PRECISIONS = ("float32", "bfloat16", "int8", "int4")
@@ -94,7 +96,7 @@ def check_precision(precision: str, device: str = "cpu") -> None:
 
 def bf16_on_cpu() -> bool:
     """oneDNN's own test: native bfloat16 (AVX512-BF16 / AMX) or at least AVX-512 to emulate it."""
-    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return bf16_packing_available()
 
 
 def convert_layer(layer: nn.Module, precision: str) -> nn.Module:
@@ -103,14 +105,16 @@ def convert_layer(layer: nn.Module, precision: str) -> nn.Module:
         if _on_cpu(layer):
             use_fast_cpu_layouts(layer)
         return layer
-    layer.to(torch.bfloat16)  # norms, biases: bfloat16 activations throughout
-    if precision == "bfloat16":
-        return layer
-    layer_type = Int8WeightOnlyLinear if precision == "int8" else Int4WeightOnlyLinear
-    for parent in list(layer.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and _quantizable(child, precision):
-                setattr(parent, name, layer_type(child.float()))
+    if precision != "bfloat16":
+        # Quantized from the float32 weights, before anything is rounded to bfloat16.
+        layer_type = Int8WeightOnlyLinear if precision == "int8" else Int4WeightOnlyLinear
+        for parent in list(layer.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child) is nn.Linear and _quantizable(child, precision):
+                    setattr(parent, name, layer_type(child))
+    layer.to(torch.bfloat16)  # norms, biases, layers left unquantized: bfloat16 activations
+    if _on_cpu(layer):
+        use_fast_cpu_layouts(layer)  # bfloat16 products on oneDNN's pre-packed weights
     return layer
 
 
@@ -121,7 +125,7 @@ def convert_output(linear: nn.Linear, precision: str) -> nn.Module:
     if precision == "float32":
         return fast_linear(linear) if _on_cpu(linear) else linear
     if precision == "bfloat16":
-        return linear.to(torch.bfloat16)
+        return fast_linear(linear.to(torch.bfloat16))
     return Int8WeightOnlyLinear(linear)
 
 

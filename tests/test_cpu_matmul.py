@@ -8,8 +8,9 @@ import torch
 from torch import nn
 
 from gumiho_core import Engine, GenerationSettings, TreeSettings, new_heads, run_to_end
-from gumiho_core.cpu_matmul import (PACKING_AVAILABLE, TransposedLinear, WeightFirstLinear, fast_cpu_copy,
-                                    pack_for_rows, use_fast_cpu_layouts)
+from gumiho_core.cpu_matmul import (PACKING_AVAILABLE, PackedBF16Linear, TransposedLinear, WeightFirstLinear,
+                                    bf16_packing_available, fast_cpu_copy, fast_linear, pack_for_rows,
+                                    use_fast_cpu_layouts)
 from gumiho_core.drafter import RecordingDrafter
 from tiny import assert_lossless, hf_greedy, random_prompts, tiny_target
 
@@ -28,6 +29,22 @@ def assert_computes_like(linear, fast, shapes):
     for shape in shapes:
         x = torch.randn(shape)
         torch.testing.assert_close(fast(x), linear(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not bf16_packing_available(), reason="no oneDNN bfloat16 on this CPU")
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_bfloat16_computes_what_a_bfloat16_linear_computes(bias):
+    torch.manual_seed(2)
+    linear = nn.Linear(96, 160, bias=bias).to(torch.bfloat16)
+    fast = fast_linear(linear)
+    assert isinstance(fast, PackedBF16Linear)
+    for shape in [(1, 96), (7, 96), (16, 96), (2, 5, 96)]:
+        x = torch.randn(shape).bfloat16()
+        # Both accumulate in float32 and round once; the summation order may differ.
+        torch.testing.assert_close(fast(x), linear(x), rtol=1.6e-2, atol=1e-2)
+    module = nn.Sequential(linear, nn.ReLU())
+    fast_module = fast_cpu_copy(module)
+    assert isinstance(fast_module[0], PackedBF16Linear) and type(module[0]) is nn.Linear  # a copy
 
 
 needs_packing = pytest.mark.skipif(not PACKING_AVAILABLE, reason="PyTorch built without MKL")
@@ -52,6 +69,7 @@ def test_engine_packs_the_tree_size_and_stays_lossless():
     target = tiny_target(seed=3, eos=False, tied=True)
     use_fast_cpu_layouts(target.model)
     engine = Engine(target, new_heads(target))
+    engine.drafter.guard = None  # every step drafts the full tree: each pass's size is checked
     # Lookup off: a looked-up branch adds nodes beyond total_tokens (not packed, by design).
     tree = TreeSettings(top_k=3, total_tokens=6, depth=3, mlp_topk=3, pruning=6, fta=False, fta_tokens=0,
                         lookup_tokens=0)
@@ -69,6 +87,7 @@ def test_tree_passes_with_the_lookup_branch_run_on_the_pack(monkeypatch):
     target = tiny_target(seed=4, eos=False, tied=True)
     use_fast_cpu_layouts(target.model)
     engine = Engine(target, new_heads(target))
+    engine.drafter.guard = None  # every step drafts: each tree pass's size is checked
     tree = TreeSettings(top_k=2, total_tokens=4, depth=2, mlp_topk=2, pruning=2, fta=False, fta_tokens=0,
                         lookup_tokens=6)
     layer = target.base.layers[0].mlp.down_proj  # a target weight: one product per target pass

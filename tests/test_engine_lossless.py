@@ -244,9 +244,11 @@ def test_context_limit_error_or_truncation():
     prompt = random_prompts(1, seed=4, lo=30, hi=31)[0]  # 31 tokens
     with pytest.raises(ContextTooLong, match="exceeds the model's context of 40 tokens"):
         run_to_end(engine, prompt, GenerationSettings(max_new_tokens=20))
-    done = run_to_end(engine, prompt, GenerationSettings(max_new_tokens=20, on_overflow="truncate"))
-    assert done.stats.prompt_tokens == 20 and len(done.token_ids) == 20
-    assert done.token_ids == hf_greedy(target, prompt[-20:], 20)
+    for speculative in (True, False):  # plain steps fill the window to its last position too
+        done = run_to_end(engine, prompt, GenerationSettings(max_new_tokens=20, on_overflow="truncate",
+                                                             speculative=speculative))
+        assert done.stats.prompt_tokens == 20 and len(done.token_ids) == 20
+        assert done.token_ids == hf_greedy(target, prompt[-20:], 20)
 
 
 def test_prefix_cache_across_turns_is_lossless(target):
