@@ -4,8 +4,7 @@ A drafted tree speeds decoding up only if the target accepts enough of it: a tre
 costs more than a one-row step (a wider target pass, and the heads' drafting), and buys
 1 + the accepted drafts. Under greedy decoding the shipped heads get ~3 tokens a pass; under
 sampling far fewer are accepted (mt_bench, temperature 1: tau 1.44), and speculation
-ran at 0.90x plain. A cheap one-row pass does the same under greedy decoding (int4 on a
-CPU: 8 rows cost twice one row, the tree lost to plain decoding at tau 1.6). How much a tree step costs depends on the engine and the machine, and
+ran at 0.90x plain. How much a tree step costs depends on the engine and the machine, and
 what it buys on the temperature, the text and the heads, so the guard measures both while
 it runs instead of trusting numbers measured elsewhere.
 

@@ -84,13 +84,15 @@ class GumihoDrafter(Drafter):
     draft-vocabulary projection, and the lookup's length. Its cache is kept between
     generations for the tokens the next prompt shares with what it read.
 
-    It drafts only as far as drafting pays (draft_guard.py), at every temperature: each step
-    is the full tree ("heads"), the root and a looked-up chain ("lookup"), or the root alone
+    Under sampling it drafts only as far as drafting pays (draft_guard.py): each step is
+    the full tree ("heads"), the root and a looked-up chain ("lookup"), or the root alone
     ("root", plain decoding's step), whichever gave the most tokens per second lately at
-    these settings. Greedy decoding is guarded too: where a target's multi-row pass is dear
-    (int4 on a CPU: 8 rows cost 2x one) a tree can lose to plain decoding even at tau ~1.6.
-    `guard = None` drafts the full tree every step (tests of the acceptance rule, the tree
-    budget's calibration).
+    these settings. Under greedy decoding it always drafts the full tree: the tree budget
+    (tree_budget.py) measured what these heads are accepted at exactly that rule, and
+    guarding greedy decoding too was measured slower (float32, mt_bench 20 x 256: 1.34x plain
+    guarded against 1.52x always drafting: a heads step after root steps pays for the serial
+    head reading what it skipped, so the guard kept choosing the root).
+    `guard = None` drafts every step under sampling too (tests of the acceptance rule).
     """
 
     def __init__(self, target, heads: GumihoHeads):
@@ -104,14 +106,14 @@ class GumihoDrafter(Drafter):
         self.lookup = LookupLength(0)
         self.chain: list[int] = []  # the looked-up tokens offered in this step's tree
         self.guard: DraftGuard | None = DraftGuard()
-        self.guarded = False  # the guard picks this generation's modes
+        self.guarded = False  # the guard picks this generation's modes (sampling only)
         self.mode = "heads"  # this step's mode, and when its drafting started
         self.started = 0.0
 
     def begin(self, prompt_ids: list[int], shared: int, settings: GenerationSettings) -> None:
         self.tree = settings.tree
         self.lookup, self.chain = LookupLength(self.tree.lookup_tokens), []
-        self.guarded = self.guard is not None
+        self.guarded = self.guard is not None and not settings.sampling.greedy
         if self.guarded:
             self._guard_begin(settings)
         # Below depth 1, drafting multiplies one row per beam (cpu_matmul.py).

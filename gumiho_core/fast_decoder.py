@@ -8,8 +8,10 @@ MLP) with:
 - a KV cache allocated once for the context (`StaticKVCache`), grown by doubling only when a
   long chat outgrows it; keeping a tree's accepted path moves its entries in place;
 - q/k/v and gate/up fused into one matrix each: two products fewer per layer;
-- tree attention over the cached prefix without a mask over it: the mask covers the tree's
-  own rows only, so its cost does not grow with the context (`tree_mask`);
+- tree attention through PyTorch's flash kernel over the cache as it lies (float32), or, where
+  the activations are bfloat16 (bfloat16 / int8 / int4), through blocked_attention.py, whose
+  result for a row does not depend on the other rows of its pass: a tree pass then decides
+  every near-tie exactly as plain decoding's one-token pass does;
 - weights in the precision chosen at load (quantize.py), applied once, invisible here.
 
 `FastDecoder.from_model` builds one from a loaded transformers model, or returns the reason it
@@ -21,6 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from .blocked_attention import BlockLayout, block_layout, blocked_attention
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -101,7 +105,7 @@ class FastLayer(nn.Module):
         self.down = fuse_linears([mlp.down_proj])
         self.scale = attn.scaling
 
-    def forward(self, x, cos, sin, cache: StaticKVCache, index: int, start: int, mask):
+    def forward(self, x, cos, sin, cache: StaticKVCache, index: int, start: int, plan):
         n, d, heads, kv_heads = x.shape[0], self.head_dim, self.heads, self.kv_heads
         qkv = self.qkv(rms_norm(x, self.attn_norm, self.eps)).view(n, heads + 2 * kv_heads, d)
         qk, v = qkv[:, : heads + kv_heads], qkv[:, heads + kv_heads :]
@@ -112,17 +116,24 @@ class FastLayer(nn.Module):
         end = start + n
         cache.keys[index, :, start:end] = qk[:, heads:].transpose(0, 1)
         cache.values[index, :, start:end] = v.transpose(0, 1)
-        # Query heads sharing a KV head stacked along the query axis: one SDPA call per KV head
-        # over the cache as it lies, no copy of it per query head (attention.py explains).
-        rep = heads // kv_heads
-        q = qk[:, :heads].reshape(n, kv_heads, rep, d).permute(1, 2, 0, 3).reshape(1, kv_heads, rep * n, d)
-        attn = F.scaled_dot_product_attention(q, cache.keys[index : index + 1, :, :end],
-                                              cache.values[index : index + 1, :, :end],
-                                              attn_mask=mask, scale=self.scale)
-        attn = attn.view(kv_heads, rep, n, d).permute(2, 0, 1, 3).reshape(n, heads * d)
-        x = x + self.out(attn)
+        if isinstance(plan, BlockLayout):  # row-count invariant (blocked_attention.py)
+            attn = blocked_attention(qk[:, :heads], cache.keys[index], cache.values[index], plan, self.scale)
+        else:
+            attn = self._flash_attention(qk[:, :heads], cache, index, end, plan)
+        x = x + self.out(attn.to(x.dtype))
         gate, up = self.gate_up(rms_norm(x, self.mlp_norm, self.eps)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
+
+    def _flash_attention(self, q, cache: StaticKVCache, index: int, end: int, mask):
+        # Query heads sharing a KV head stacked along the query axis: one SDPA call per KV head
+        # over the cache as it lies, no copy of it per query head (attention.py explains).
+        n, d, kv_heads = q.shape[0], self.head_dim, self.kv_heads
+        rep = self.heads // kv_heads
+        q = q.reshape(n, kv_heads, rep, d).permute(1, 2, 0, 3).reshape(1, kv_heads, rep * n, d)
+        attn = F.scaled_dot_product_attention(q.to(cache.keys.dtype), cache.keys[index : index + 1, :, :end],
+                                              cache.values[index : index + 1, :, :end],
+                                              attn_mask=mask, scale=self.scale)
+        return attn.view(kv_heads, rep, n, d).permute(2, 0, 1, 3).reshape(n, self.heads * d)
 
 
 class FastDecoder(nn.Module):
@@ -144,6 +155,10 @@ class FastDecoder(nn.Module):
         self.norm = _copy(base.norm.weight.to(torch.float32 if precision == "float32" else torch.bfloat16))
         self.lm_head = convert_output(fuse_linears([model.get_output_embeddings()]), precision)
         self.rope = RotaryTable(self.shape["head_dim"], self.shape["rope_theta"])
+        # Where activations are bfloat16 (bfloat16, int8, int4), the flash kernel's last bit
+        # flips near-ties between tree and one-token passes: decoding takes blocked attention.
+        self.row_invariant = precision != "float32"
+        self.precision = precision
 
     @classmethod
     def from_model(cls, model, precision: str = "float32") -> tuple[FastDecoder | None, str]:
@@ -157,7 +172,10 @@ class FastDecoder(nn.Module):
 
     def new_cache(self, capacity: int = 512) -> StaticKVCache:
         s = self.shape
-        return StaticKVCache(len(self.layers), s["kv_heads"], s["head_dim"], self.dtype, self.norm.device, capacity)
+        # float32 in every precision: blocked attention computes in float32 from it (exact copies
+        # of bfloat16 keys and values), and float32 keeps it as it always was.
+        return StaticKVCache(len(self.layers), s["kv_heads"], s["head_dim"], torch.float32, self.norm.device,
+                             capacity)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache,
                 ancestors: torch.Tensor | None = None) -> torch.Tensor:
@@ -169,10 +187,15 @@ class FastDecoder(nn.Module):
         n, start = len(tokens), cache.length
         cache.reserve(start + n)
         cos, sin = self.rope(positions, self.dtype)
-        mask = self._mask(n, start, ancestors)
+        if self.row_invariant and (n == 1 or ancestors is not None):
+            # Decoding steps (one token, or a tree): a row's bits do not depend on the pass.
+            # A prefill keeps the flash kernel: plain and speculative decoding share it.
+            plan = block_layout(start, positions, ancestors)
+        else:
+            plan = self._mask(n, start, ancestors)
         x = F.embedding(tokens, self.embedding).to(self.dtype)
         for index, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache, index, start, mask)
+            x = layer(x, cos, sin, cache, index, start, plan)
         cache.length = start + n  # as a transformers cache: the new rows are in, kept or not
         return rms_norm(x, self.norm, self.shape["eps"])
 

@@ -17,16 +17,17 @@ from .errors import GumihoError
 from .generate import Engine
 from .heads import CONFIG_FILE, WEIGHTS_FILE, GumihoHeads, HeadCheckpoint, new_heads
 from .published import PUBLISHED_CONFIG, WEIGHT_CHOICES, load_published, weights_file
+from .quantize import bf16_on_cpu
 from .settings import TreeSettings
 from .target import load_target
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 SHIPPED_HEADS = PROJECT_ROOT / "assets" / "heads" / "smollm2-135m-instruct"
-# The embedded default model's precision when none is asked for: float32 on the fast decoder.
-# int4 (its GGUF's own 4-bit grid) decodes plain 1.4x faster still, but measured on mt_bench
-# (5 x 128, docs/fast_decoder.md) speculative answers parted from plain ones at near-ties in
-# 4 of 5 answers and Gumiho ran slower than int4 plain: not a default until both are fixed.
-DEFAULT_MODEL_QUANTIZE = None
+# The embedded default model's precision when none is asked for, where the CPU runs bfloat16:
+# int4, its GGUF's own 4-bit grid. Measured on mt_bench (20 x 256, docs/fast_decoder.md):
+# plain 1.40x and Gumiho 1.14x float32's, peak memory 1.4 GB against 5 GB, speculative ==
+# plain in every answer (blocked attention). Elsewhere float32.
+DEFAULT_MODEL_QUANTIZE = "int4"
 
 
 def load_engine(model: str | None = None, heads: str | None = None, dtype: str = "float32",
@@ -45,7 +46,7 @@ def load_engine(model: str | None = None, heads: str | None = None, dtype: str =
     if heads:
         heads_layout(Path(heads))  # a wrong path fails before the target loads
     if quantize == "auto":
-        default_case = model is None and dtype == "float32" and device == "cpu" and fast
+        default_case = model is None and dtype == "float32" and device == "cpu" and fast and bf16_on_cpu()
         quantize = DEFAULT_MODEL_QUANTIZE if default_case else None
     target = load_target(model, dtype=dtype, quantize=quantize, device=device, fast=fast)
     if target.fast_note:
@@ -81,6 +82,12 @@ def load_heads(path, target=None, device=None, dtype=None) -> GumihoHeads:
     return load_published(folder, target, device, dtype)
 
 
+def _rows_are_dear(target) -> bool:
+    """int8 / int4 weight-only kernels on a CPU: a pass's cost grows with every few rows."""
+    fast = getattr(target, "fast", None)
+    return fast is not None and fast.precision in ("int8", "int4") and target.device.type == "cpu"
+
+
 def heads_layout(folder: Path) -> str:
     """Which layout a heads folder holds, "ours" or "published"; a clear error for anything else."""
     folder = Path(folder)
@@ -101,10 +108,11 @@ def heads_layout(folder: Path) -> str:
 def draft_tree_for(engine: Engine, auto: bool = False, log=None, **given) -> TreeSettings:
     """The tree an engine answers with: the one place the default tree is decided.
 
-    The built-in defaults, or with `auto` the tree measured best on this machine for these
-    heads (tree_budget.py, cached); values the user gave (`given`, None = not given) win.
+    The built-in defaults (smaller where the target's passes grow dear with rows), or with
+    `auto` the tree measured best on this machine for these heads (tree_budget.py, cached);
+    values the user gave (`given`, None = not given) win.
     """
-    base = TreeSettings()
+    base = TreeSettings.weight_only_cpu() if _rows_are_dear(engine.target) else TreeSettings()
     if auto and engine.heads is not None:
         from .tree_budget import choose_tree, format_budget  # measures only when asked
 

@@ -47,6 +47,13 @@ class TreeSettings:
     def gpu(cls) -> "TreeSettings":
         return cls(top_k=10, total_tokens=60, depth=7, mlp_topk=35, pruning=35, fta=True, fta_tokens=4)
 
+    @classmethod
+    def weight_only_cpu(cls) -> "TreeSettings":
+        """For int8 / int4 targets on a CPU, where a pass over 3 tokens costs 1.15x a one-token
+        pass but 6 tokens 1.7x (SmolLM2-135M int4, 2 cores): the tree the measured budget chose
+        there (mt_bench 20 x 256: top_k 4, 3 nodes, depth 1, plus the lookup branch)."""
+        return cls(top_k=4, total_tokens=3, depth=1, mlp_topk=4, pruning=8)
+
     def with_overrides(self, **given) -> "TreeSettings":
         """These settings with the values a user gave (None = not given) on top.
 

@@ -126,16 +126,6 @@ def calibrate(engine: Engine, top_ks=(2, 4, 6), big: int = 48,
     and the drafting time per step at each depth (a depth-1 draft skips the second serial
     step and the MLP heads, so it costs a fraction of a depth-7 one)."""
     ids = [engine.target.chat_prompt([{"role": "user", "content": p}]) for p in CALIBRATION_PROMPTS]
-    # The full tree at every step, whatever the draft guard would pick: that is what is measured.
-    guard = getattr(engine.drafter, "guard", None)
-    engine.drafter.guard = None
-    try:
-        return _calibrate(engine, ids, top_ks, big, max_new_tokens)
-    finally:
-        engine.drafter.guard = guard
-
-
-def _calibrate(engine: Engine, ids: list[list[int]], top_ks, big: int, max_new_tokens: int) -> dict:
     traces, draft_ms = {}, {}
     for k in top_ks:
         recorder = RecordingDrafter(engine.drafter)  # the engine's heads, every (tree, path) kept

@@ -121,22 +121,10 @@ def test_lookup_mode_offers_the_chain_without_the_heads(engine):
     assert all(set(t.sources) <= {"root", "lookup"} for t in drafted)
 
 
-def test_greedy_decoding_is_guarded_too(engine):
-    """Greedy decoding asks the guard as sampling does: a root-only step is plain decoding's."""
+def test_heads_mode_and_greedy_decoding_draft_the_full_tree(engine):
     guard = FixedGuard("root")
-    done, drafted = trees(engine, SamplingSettings(), guard)
-    assert guard.modes == MODES and all(len(t) == 1 for t in drafted)
-    assert done.stats.forward_passes == 16
-
-
-def test_greedy_modes_in_turn_give_the_plain_answer(engine):
-    plain = run_to_end(engine, [3, 4, 5, 3, 4, 5, 3, 4], GenerationSettings(max_new_tokens=16, speculative=False))
-    guard = TakingTurns("heads")
-    done, _ = trees(engine, SamplingSettings(), guard)
-    assert done.token_ids == plain.token_ids and {m for m, _, _ in guard.recorded} == set(MODES)
-
-
-def test_heads_mode_drafts_the_full_tree(engine):
+    _, drafted = trees(engine, SamplingSettings(), guard)  # greedy: the guard is not asked
+    assert guard.modes is None and all("serial" in t.sources for t in drafted)
     guard = FixedGuard("heads")
     _, drafted = trees(engine, SAMPLED, guard, lookup_tokens=0)
     assert guard.modes == ("heads", "root") and all("serial" in t.sources for t in drafted)

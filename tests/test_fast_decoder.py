@@ -32,34 +32,17 @@ def fast_target(precision: str, seed: int = 0) -> Target:
 
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_speculative_equals_plain_in_every_precision(precision):
-    """Token for token, but for near-ties in the low precisions: attention's blocked softmax
-    rounds a tree pass (many rows, a longer masked key range) differently in the last bit from
-    a one-token pass, and bfloat16 activations can carry that bit into a flipped argmax where
-    the two best logits almost tie. So wherever speculative and plain part, the plain logits
-    there must be a near-tie; in float32 they must never part."""
+    """Token for token in every precision: in bfloat16 / int8 / int4 a row's bits do not depend
+    on the rows beside it in a pass (row-invariant products, blocked attention), so a tree pass
+    decides every near-tie as a one-token pass does. Prompts and answers run past several of
+    blocked attention's 64-key blocks, so trees straddle block boundaries."""
     target = fast_target(precision)
     assert target.fast is not None
     engine = Engine(target, new_heads(target))
-    for prompt in random_prompts(5, seed=3):
-        spec = run_to_end(engine, prompt, GenerationSettings(max_new_tokens=24, tree=TREE))
-        plain = run_to_end(engine, prompt, GenerationSettings(max_new_tokens=24, speculative=False))
-        if precision == "float32" or spec.token_ids == plain.token_ids:
-            assert spec.token_ids == plain.token_ids
-            continue
-        at = next(i for i, (a, b) in enumerate(zip(spec.token_ids, plain.token_ids)) if a != b)
-        assert top_two_margin(target, prompt + plain.token_ids[:at]) < NEAR_TIE, (prompt, at)
-
-
-NEAR_TIE = 0.05  # logits; the tiny targets' logits spread over ~+-3
-
-
-def top_two_margin(target: Target, ids: list[int]) -> float:
-    """How far the best next-token logit is ahead of the second, read in one plain pass."""
-    decoder = target.fast
-    with torch.inference_mode():
-        features = decoder(torch.tensor(ids), torch.arange(len(ids)), decoder.new_cache())
-        best = decoder.logits(features[-1:])[0].topk(2).values
-    return float(best[0] - best[1])
+    for prompt in random_prompts(4, seed=3) + random_prompts(2, seed=4, lo=100, hi=140):
+        spec = run_to_end(engine, prompt, GenerationSettings(max_new_tokens=90, tree=TREE))
+        plain = run_to_end(engine, prompt, GenerationSettings(max_new_tokens=90, speculative=False))
+        assert spec.token_ids == plain.token_ids
 
 
 def test_float32_fast_decoder_is_transformers_arithmetic():
@@ -70,9 +53,7 @@ def test_float32_fast_decoder_is_transformers_arithmetic():
         assert spec.token_ids == hf_greedy(target, prompt, 24)
 
 
-# float32 only: in the low precisions a near-tie may part the oracle's run from plain decoding
-# (test_speculative_equals_plain_in_every_precision covers them), and then the caches differ.
-@pytest.mark.parametrize("precision", ["float32"])
+@pytest.mark.parametrize("precision", PRECISIONS)
 def test_static_cache_after_long_paths_equals_plain_decoding(precision):
     """The oracle's long accepted paths (often not the tree's first nodes) are moved in place;
     the cache afterwards must hold what plain decoding wrote, position by position."""
@@ -88,8 +69,12 @@ def test_static_cache_after_long_paths_equals_plain_decoding(precision):
         assert spec.stats.tau > 1.5, "the oracle should produce long accepted paths"
         spec_cache, n = engine.prefix.cache, plain_cache.length
         assert isinstance(spec_cache, StaticKVCache) and spec_cache.length >= n
-        torch.testing.assert_close(spec_cache.keys[:, :, :n], plain_cache.keys[:, :, :n])
-        torch.testing.assert_close(spec_cache.values[:, :, :n], plain_cache.values[:, :, :n])
+        if precision == "float32":  # the flash kernel: equal within float32 rounding
+            torch.testing.assert_close(spec_cache.keys[:, :, :n], plain_cache.keys[:, :, :n])
+            torch.testing.assert_close(spec_cache.values[:, :, :n], plain_cache.values[:, :, :n])
+        else:  # blocked attention: the same bits
+            assert torch.equal(spec_cache.keys[:, :, :n], plain_cache.keys[:, :, :n])
+            assert torch.equal(spec_cache.values[:, :, :n], plain_cache.values[:, :, :n])
 
 
 def test_prefix_reuse_across_turns_on_the_static_cache():
@@ -169,7 +154,8 @@ def test_quantized_products_do_not_depend_on_the_row_count(layer_type):
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_a_tree_pass_matches_one_token_passes(precision):
     """Three tokens read one pass each, as one causal pass, or inside a padded tree pass (as
-    TargetPasses pads) give the same features up to the attention's rounding."""
+    TargetPasses pads) give the same features: up to the attention's rounding in float32 and
+    in a prefill, bit for bit for decoding passes in the low precisions."""
     decoder = fast_target(precision).fast
     prompt, chain = torch.tensor(random_prompts(1, seed=8)[0]), torch.tensor([5, 17, 42])
     with torch.inference_mode():
@@ -185,5 +171,8 @@ def test_a_tree_pass_matches_one_token_passes(precision):
         in_tree = decoder(padded, torch.cat([torch.arange(3), torch.zeros(5, dtype=torch.long)]) + len(prompt),
                           cache, ancestors)[:3]
     tolerance = {"atol": 1e-5, "rtol": 1e-5} if precision == "float32" else {"atol": 3e-2, "rtol": 3e-2}
-    torch.testing.assert_close(together, one_by_one, **tolerance)
-    torch.testing.assert_close(in_tree, one_by_one, **tolerance)
+    torch.testing.assert_close(together, one_by_one, **tolerance)  # a causal prefill: the flash kernel
+    if precision == "float32":
+        torch.testing.assert_close(in_tree, one_by_one, **tolerance)
+    else:  # decoding passes on blocked attention: a row's bits whatever the pass
+        assert torch.equal(in_tree, one_by_one)

@@ -17,8 +17,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--quantize", default="auto", choices=["auto", "none", "int8", "int4", "4bit", "8bit"],
                    help="weight-only int8 / int4 on the fast decoder (PyTorch's kernels, CPU or GPU), "
-                        "bitsandbytes 4bit / 8bit (CUDA), none; auto (default): none for now "
-                        "(docs/fast_decoder.md says why)")
+                        "bitsandbytes 4bit / 8bit (CUDA), none; auto (default): int4 for the embedded "
+                        "model where the CPU runs bfloat16, else none (docs/fast_decoder.md)")
     p.add_argument("--no-fast", dest="fast", action="store_false",
                    help="run every pass through transformers' forward instead of the fast decoder")
     p.add_argument("--device", default="cpu", help="cpu, cuda or auto")
