@@ -10,10 +10,12 @@ pass at its position sums them:
 
 - a row's keys are numbered by their position in the row's own sequence (the prefix, then
   its ancestors in the tree), not by their cache slot, and cut into blocks of BLOCK;
-- each block is reduced on its own: scores, max, exp-sum and weighted values over exactly
-  BLOCK keys (masked padding at the end), with products whose bits do not depend on how
-  many rows share them (float32, at least two query rows; checked in tests);
-- blocks are merged left to right by a cumulative sum: one fixed order for any block count.
+- a row's scores and their one maximum are the same bits however many rows share the pass
+  (float32 products of at least MIN_ROWS query rows; a maximum is exact in any order), so
+  each key's weight exp(score - max) is too;
+- each block's weights and weighted values are summed alone over exactly BLOCK keys (masked
+  keys weigh 0), and the blocks added left to right by a cumulative sum: one fixed order
+  for any block count, with any number of empty blocks after the last.
 
 Blocks lying whole in the cache before the pass are read in place, once for all rows; from
 the block holding the pass's first position on, each row's keys are gathered (the prefix's
@@ -39,7 +41,7 @@ class BlockLayout:
 
     shared: int  # blocks [0, shared) lie whole in the cache before the pass: read in place
     tail_slots: torch.Tensor  # (n, tail * BLOCK) cache slot of each row's key from block `shared` on
-    tail_bias: torch.Tensor  # (1, n, tail, 1, BLOCK) 0 where the row sees that key, MASKED elsewhere
+    tail_bias: torch.Tensor  # (1, n, 1, tail * BLOCK) 0 where the row sees that key, MASKED elsewhere
 
 
 def block_layout(start: int, positions: torch.Tensor, ancestors: torch.Tensor | None) -> BlockLayout:
@@ -61,7 +63,7 @@ def block_layout(start: int, positions: torch.Tensor, ancestors: torch.Tensor | 
     slots = torch.where(in_prefix, logical.expand(n, -1), start + node.clamp(max=n - 1))
     slots = torch.where(seen, slots, 0)
     bias = torch.zeros(n, tail * BLOCK, device=device).masked_fill(~seen, MASKED)
-    return BlockLayout(shared, slots, bias.view(1, n, tail, 1, BLOCK))
+    return BlockLayout(shared, slots, bias.view(1, n, 1, tail * BLOCK))
 
 
 def blocked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layout: BlockLayout,
@@ -71,41 +73,34 @@ def blocked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     n, heads, d = q.shape
     kv_heads = keys.shape[0]
     rep = heads // kv_heads
-    q = (q.float() * scale).view(n, kv_heads, rep, d).transpose(0, 1)  # (kv, n, rep, d), scaled once
-    parts = [_tail_blocks(q, keys, values, layout)]
-    if layout.shared:
-        parts.insert(0, _shared_blocks(q, keys, values, layout.shared))
-    m, total, weighted = (torch.cat(p, dim=2) for p in zip(*parts))  # blocks along dim 2
-    # Merge blocks left to right; a block masked whole is weighed 0 and adds exact zeros.
-    w = torch.exp(m - m.amax(dim=2, keepdim=True))
-    total = (total * w).cumsum(dim=2)[:, :, -1]
-    out = (weighted * w).cumsum(dim=2)[:, :, -1] / total  # (kv, n * rep, d)
-    return out.view(kv_heads, n, rep, d).transpose(0, 1).reshape(n, heads * d)
+    q = _at_least((q.float() * scale).view(n, kv_heads, rep, d).transpose(0, 1), dim=2)  # (kv, n, rows, d)
+    rows, prefix = q.shape[2], layout.shared * BLOCK  # keys read in place
+    tail_values = values[:, layout.tail_slots]  # (kv, n, tail keys, d)
+    scores = q @ keys[:, layout.tail_slots].transpose(-1, -2) + layout.tail_bias  # (kv, n, rows, tail keys)
+    if prefix:
+        before = torch.bmm(q.reshape(kv_heads, n * rows, d), keys[:, :prefix].transpose(1, 2))
+        scores = torch.cat([before.view(kv_heads, n, rows, prefix), scores], dim=-1)
+    # One max per row over every key it sees (exact in any order), so each key's weight is final;
+    # then each block is summed alone over its BLOCK keys and the blocks added left to right.
+    weights = torch.exp(scores - scores.amax(dim=-1, keepdim=True)).view(kv_heads, n, rows, -1, BLOCK)
+    weighted = _weighted_blocks(weights, values[:, :prefix], tail_values, layout.shared)
+    total = weights.sum(dim=-1).cumsum(dim=-1)[..., -1:]  # (kv, n, rows, 1)
+    out = weighted.cumsum(dim=3)[:, :, :, -1] / total  # (kv, n, rows, d)
+    return out[:, :, :rep].transpose(0, 1).reshape(n, heads * d)
 
 
-def _shared_blocks(q, keys, values, blocks: int):
-    """Per-block partials over the cache's whole blocks, every query row at once."""
-    kv_heads, n, rep, d = q.shape
-    rows = _at_least(q.reshape(kv_heads, n * rep, d), dim=1)
-    length = blocks * BLOCK
-    scores = torch.bmm(rows, keys[:, :length].transpose(1, 2)).view(kv_heads, -1, blocks, BLOCK)
-    values = values[:, :length].reshape(kv_heads, blocks, BLOCK, d)
-    m = scores.amax(dim=-1, keepdim=True)
-    e = torch.exp(scores - m)  # (kv, rows, blocks, B)
-    weighted = (e.transpose(1, 2) @ values).transpose(1, 2)  # per block: (rows, B) @ (B, d)
-    return tuple(t[:, : n * rep] for t in (m, e.sum(dim=-1, keepdim=True), weighted))  # (kv, rows, blocks, .)
-
-
-def _tail_blocks(q, keys, values, layout: BlockLayout):
-    """Per-block partials over each row's own keys from block `shared` on (gathered)."""
-    kv_heads, n, rep, d = q.shape
-    tail = layout.tail_bias.shape[2]
-    rows = _at_least(q, dim=2)[:, :, None]
-    k = keys[:, layout.tail_slots].view(kv_heads, n, tail, BLOCK, d)
-    v = values[:, layout.tail_slots].view(kv_heads, n, tail, BLOCK, d)
-    scores = rows @ k.transpose(-1, -2) + layout.tail_bias  # (kv, n, tail, rows, B)
-    m, total, weighted = _partials(scores, v)
-    return tuple(t[:, :, :, :rep].transpose(2, 3).reshape(kv_heads, n * rep, tail, -1) for t in (m, total, weighted))
+def _weighted_blocks(weights, shared_values, tail_values, shared: int) -> torch.Tensor:
+    """Each block's weighted values, (kv, n, rows, blocks, d): the cache's whole blocks with
+    every query row at once, each row's own blocks from `shared` on with its gathered values."""
+    kv_heads, n, rows, _, _ = weights.shape
+    d = tail_values.shape[-1]
+    tail = tail_values.view(kv_heads, n, -1, BLOCK, d)  # (kv, n, tail blocks, B, d)
+    parts = [(weights[:, :, :, shared:].transpose(2, 3) @ tail).transpose(2, 3)]
+    if shared:
+        per_block = weights[:, :, :, :shared].reshape(kv_heads, n * rows, shared, BLOCK).transpose(1, 2)
+        before = per_block @ shared_values.view(kv_heads, shared, BLOCK, d)  # (kv, blocks, n * rows, d)
+        parts.insert(0, before.transpose(1, 2).reshape(kv_heads, n, rows, shared, d))
+    return torch.cat(parts, dim=3) if shared else parts[0]
 
 
 def _at_least(rows: torch.Tensor, dim: int) -> torch.Tensor:
@@ -116,11 +111,3 @@ def _at_least(rows: torch.Tensor, dim: int) -> torch.Tensor:
     shape = list(rows.shape)
     shape[dim] = missing
     return torch.cat([rows, rows.new_zeros(shape)], dim=dim)
-
-
-def _partials(scores: torch.Tensor, values: torch.Tensor):
-    """A block's max, exp-sum and exp-weighted values. A block masked whole has max MASKED,
-    so the merge weighs it exp(MASKED - max) = 0 (finite throughout: no NaN from -inf - -inf)."""
-    m = scores.amax(dim=-1, keepdim=True)
-    e = torch.exp(scores - m)
-    return m, e.sum(dim=-1, keepdim=True), e @ values

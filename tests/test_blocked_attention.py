@@ -60,7 +60,7 @@ def test_the_layout_masks_what_a_row_must_not_see():
     ancestors, depths = random_tree(6, seed=1)
     layout = block_layout(70, torch.tensor(depths) + 70, ancestors)
     assert layout.shared == 1  # keys 0..63 are read in place
-    seen = layout.tail_bias[0, :, :, 0].reshape(6, -1) == 0
+    seen = layout.tail_bias[0, :, 0] == 0
     for r in range(6):
         path = ancestors[r].nonzero().flatten().tolist()
         assert int(seen[r].sum()) == 70 - BLOCK + len(path)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from gumiho_core import Engine, GenerationSettings, SamplingSettings, TreeSettings, new_heads, run_to_end
-from gumiho_core.draft_guard import FIRST_STEPS, PROBE_EVERY, DraftGuard, ModeChoice
+from gumiho_core.draft_guard import FIRST_STEPS, PROBE_EVERY, PROBE_EVERY_MAX, DraftGuard, ModeChoice
 from gumiho_core.drafter import RecordingDrafter
 from tiny import tiny_target
 
@@ -16,7 +16,7 @@ def feed(choice: ModeChoice, tokens: dict, seconds: dict, steps: int) -> list[st
     picked = []
     for _ in range(steps):
         mode = choice.pick()
-        choice.records[mode].add(tokens[mode], seconds[mode])
+        choice.add(mode, tokens[mode], seconds[mode])
         picked.append(mode)
     return picked
 
@@ -24,12 +24,25 @@ def feed(choice: ModeChoice, tokens: dict, seconds: dict, steps: int) -> list[st
 def test_every_mode_is_timed_first_then_the_fastest_wins_with_probes_of_the_others():
     choice = ModeChoice(MODES)
     # Tokens per time unit: heads 1.4 / 1.6 = 0.88, lookup 1.05 / 1.1 = 0.95, root 1.
+    waits = [PROBE_EVERY, 2 * PROBE_EVERY, 4 * PROBE_EVERY]  # tries that change nothing get rarer
     picked = feed(choice, {"heads": 1.4, "lookup": 1.05, "root": 1}, {"heads": 1.6, "lookup": 1.1, "root": 1.0},
-                  3 * FIRST_STEPS + 3 * (PROBE_EVERY + 1))
+                  3 * FIRST_STEPS + sum(waits) + 3)
     assert picked[: 3 * FIRST_STEPS] == ["heads"] * FIRST_STEPS + ["lookup"] * FIRST_STEPS + ["root"] * FIRST_STEPS
     after = picked[3 * FIRST_STEPS :]
-    assert after.count("root") == 3 * PROBE_EVERY
-    assert [m for m in after if m != "root"] == ["heads", "lookup", "heads"]  # the others, in turn
+    tries = [i for i, m in enumerate(after) if m != "root"]
+    assert [after[i] for i in tries] == ["heads", "lookup", "heads"]  # the others, in turn
+    assert [b - a - 1 for a, b in zip([-1] + tries, tries)] == waits
+
+
+def test_the_wait_between_tries_stops_doubling_and_starts_over_when_the_best_changes():
+    choice = ModeChoice(("heads", "root"))
+    picked = feed(choice, {"heads": 1, "root": 1}, {"heads": 2.0, "root": 1.0}, 2 * FIRST_STEPS + 3000)
+    tries = [i for i, m in enumerate(picked) if m == "heads"][FIRST_STEPS:]
+    gaps = [b - a - 1 for a, b in zip(tries, tries[1:])]
+    assert max(gaps) == PROBE_EVERY_MAX and gaps[-1] == PROBE_EVERY_MAX
+    assert choice.probe_every == PROBE_EVERY_MAX
+    feed(choice, {"heads": 4, "root": 1}, {"heads": 1.0, "root": 1.0}, PROBE_EVERY_MAX + 30)  # drafting pays now
+    assert choice.best() == "heads" and choice.probe_every < PROBE_EVERY_MAX
 
 
 def test_even_modes_go_to_the_cheaper_one():
