@@ -48,6 +48,13 @@ class Target:
             raise GumihoError("the transformers layers run every pass here; they cannot be released")
         self.model.base_model.layers = torch.nn.ModuleList()
         self.transformers_layers = False
+        # What stays (embedding, tied lm_head, final norm) is still read from the memory-mapped
+        # weights file, which keeps every page loading touched resident (SmolLM2-135M: 513 MB).
+        # Own copies let the mapping go (resident 1.10 -> 0.70 GB after loading).
+        with torch.no_grad():
+            for tensor in [*self.model.parameters(), *self.model.buffers()]:
+                tensor.data = tensor.data.clone()
+        self.fast.embedding = self.embed_tokens.weight.detach()
 
     @property
     def config(self):
