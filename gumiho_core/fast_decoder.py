@@ -20,11 +20,17 @@ generic transformers path, with the same event stream (verify.TargetPasses).
 """
 from __future__ import annotations
 
+import ctypes
+import os
+import sys
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from .blocked_attention import BlockLayout, block_layout, blocked_attention
+
+MADV_DONTNEED = 4  # linux/mman.h
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -139,7 +145,9 @@ class FastLayer(nn.Module):
 class FastDecoder(nn.Module):
     """The decoder stack (embedding -> layers -> final norm) over a StaticKVCache."""
 
-    def __init__(self, model, precision: str = "float32"):
+    def __init__(self, model, precision: str = "float32", discard_originals: bool = False):
+        """discard_originals: the transformers layers are released once this is built (the
+        chat): each one's memory is handed back as soon as it is copied (peak memory)."""
         from .quantize import convert_layer, convert_output  # quantize.py builds on this file's layers
 
         super().__init__()
@@ -151,7 +159,8 @@ class FastDecoder(nn.Module):
         self.embedding = base.embed_tokens.weight.detach()
         # Each layer copied and turned into its precision before the next is copied: the
         # float32 copies never all exist at once (peak memory at load).
-        self.layers = nn.ModuleList(convert_layer(FastLayer(layer, self.shape), precision) for layer in base.layers)
+        self.layers = nn.ModuleList(self._convert(layer, precision, discard_originals, convert_layer)
+                                    for layer in base.layers)
         self.norm = _copy(base.norm.weight.to(torch.float32 if precision == "float32" else torch.bfloat16))
         self.lm_head = convert_output(fuse_linears([model.get_output_embeddings()]), precision)
         self.rope = RotaryTable(self.shape["head_dim"], self.shape["rope_theta"])
@@ -160,11 +169,18 @@ class FastDecoder(nn.Module):
         self.row_invariant = precision != "float32"
         self.precision = precision
 
+    def _convert(self, layer, precision: str, discard_original: bool, convert_layer) -> FastLayer:
+        fast = convert_layer(FastLayer(layer, self.shape), precision)  # its own copies of the weights
+        if discard_original:
+            hand_back_pages(layer)
+        return fast
+
     @classmethod
-    def from_model(cls, model, precision: str = "float32") -> tuple[FastDecoder | None, str]:
+    def from_model(cls, model, precision: str = "float32",
+                   discard_originals: bool = False) -> tuple[FastDecoder | None, str]:
         """(decoder in `precision` (quantize.py), "") or (None, why the transformers path stays)."""
         why = unsupported_reason(model)
-        return (None, why) if why else (cls(model, precision), "")
+        return (None, why) if why else (cls(model, precision, discard_originals), "")
 
     @property
     def dtype(self) -> torch.dtype:
@@ -255,6 +271,27 @@ def unsupported_reason(model) -> str:
            for m in model.modules()):
         return "bitsandbytes layers keep the transformers path"
     return ""
+
+
+def hand_back_pages(module: nn.Module) -> None:
+    """Let the OS drop the memory pages lying wholly inside `module`'s CPU tensors, which must
+    never be read again (their contents are lost: zeros, or the file they were mapped from).
+
+    The default model's float32 weights are memory-mapped from its converted file, and every
+    page the conversion reads would otherwise stay resident until the last layer is done
+    (SmolLM2-135M: ~430 MB of layers at the load's peak). Pages shared with a neighbouring
+    tensor are left alone."""
+    if not sys.platform.startswith("linux"):
+        return
+    page = os.sysconf("SC_PAGE_SIZE")
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    for tensor in [*module.parameters(), *module.buffers()]:
+        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+            continue
+        start, end = tensor.data_ptr(), tensor.data_ptr() + tensor.numel() * tensor.element_size()
+        first, last = -(-start // page) * page, end // page * page
+        if last > first:
+            madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), MADV_DONTNEED)
 
 
 def _copy(weight: torch.Tensor | None) -> nn.Parameter | None:

@@ -48,11 +48,10 @@ def load_engine(model: str | None = None, heads: str | None = None, dtype: str =
     if quantize == "auto":
         default_case = model is None and dtype == "float32" and device == "cpu" and fast and bf16_on_cpu()
         quantize = DEFAULT_MODEL_QUANTIZE if default_case else None
-    target = load_target(model, dtype=dtype, quantize=quantize, device=device, fast=fast)
+    target = load_target(model, dtype=dtype, quantize=quantize, device=device, fast=fast,
+                         release_transformers=not keep_transformers)
     if target.fast_note:
         warn(f"note: {target.fast_note}; passes run on transformers' forward")
-    if target.fast is not None and not keep_transformers:
-        target.release_transformers_layers()
     _return_freed_memory()
     if heads:
         return Engine(target, load_heads(heads, target)), str(heads)

@@ -178,6 +178,7 @@ def load_target(
     quantize: str | None = None,
     device: str = "cpu",
     fast: bool = True,
+    release_transformers: bool = False,
 ) -> Target:
     """Load a target model and its tokenizer.
 
@@ -187,6 +188,8 @@ def load_target(
     quantize: int8 / int4 (weight-only, PyTorch's kernels, the fast decoder) or 4bit / 8bit
     (bitsandbytes). fast: run passes on the lean decoder (fast_decoder.py) where the
     architecture allows; False keeps transformers' forward for everything.
+    release_transformers: where the fast decoder runs every pass, free transformers' decoder
+    layers (Target.release_transformers_layers), each as soon as it is copied.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -254,9 +257,11 @@ def load_target(
     lm.requires_grad_(False)
     target = Target(model=lm, tokenizer=tokenizer, name=name)
     if fast and precision is not None:
-        attach_fast_decoder(target, precision)
+        attach_fast_decoder(target, precision, discard_originals=release_transformers)
         if target.fast is None and quantize in TORCH_QUANTIZATIONS:
             target.fast_note += f"; {quantize} is not applied: the model runs in float32"
+        elif target.fast is not None and release_transformers:
+            target.release_transformers_layers()
     if device_name == "cpu" and qconfig is None and target.fast is None:
         use_fast_cpu_layouts(lm)  # float32 only; see cpu_matmul.py for why and by how much
     use_packed_gqa(lm)  # tree passes without copying the KV cache per query head (attention.py)
@@ -272,10 +277,11 @@ def decoder_precision(dtype: str, quantize: str | None) -> str | None:
     return None  # float16, bitsandbytes: transformers' own forward
 
 
-def attach_fast_decoder(target: Target, precision: str) -> Target:
+def attach_fast_decoder(target: Target, precision: str, discard_originals: bool = False) -> Target:
     """Give `target` a fast decoder in `precision`, or a note of why its architecture keeps the
-    transformers path (the engine then runs that, with the same results and events)."""
-    decoder, why = FastDecoder.from_model(target.model, precision)
+    transformers path (the engine then runs that, with the same results and events).
+    discard_originals: the caller releases the transformers layers next (FastDecoder)."""
+    decoder, why = FastDecoder.from_model(target.model, precision, discard_originals)
     if decoder is not None:
         decoder.eval()
     target.fast, target.fast_note = decoder, why

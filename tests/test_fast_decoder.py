@@ -178,3 +178,32 @@ def test_a_tree_pass_matches_one_token_passes(precision):
         torch.testing.assert_close(in_tree, one_by_one, **tolerance)
     else:  # decoding passes on blocked attention: a row's bits whatever the pass
         assert torch.equal(in_tree, one_by_one)
+
+
+def test_handing_back_a_modules_pages_spares_its_neighbours():
+    """hand_back_pages drops only pages lying wholly inside the module's tensors: a tensor
+    sharing its first and last pages with others leaves those bytes as they were."""
+    from gumiho_core.fast_decoder import hand_back_pages
+
+    page = 4096 // 4  # float32 values a page holds
+    memory = torch.full((20 * page,), 7.0)
+    inner = torch.nn.Linear(1, 1)
+    inner.weight = torch.nn.Parameter(memory[page // 2 : 10 * page + page // 2].view(-1, 1), requires_grad=False)
+    hand_back_pages(inner)
+    assert torch.all(memory[: page // 2] == 7) and torch.all(memory[10 * page + page // 2 :] == 7)
+    # The pages wholly inside: anonymous memory handed back reads as zeros again.
+    assert torch.all(memory[2 * page : 9 * page] == 0)
+
+
+@pytest.mark.parametrize("precision", ["float32", "int4"])
+def test_a_decoder_that_discards_the_originals_decodes_the_same(precision):
+    """The chat's load (each transformers layer's memory handed back once copied, then the
+    layers released) gives the same decoder as one built beside intact layers."""
+    kept = fast_target(precision, seed=5)
+    target = tiny_target(seed=5, eos=False)
+    attach_fast_decoder(target, precision, discard_originals=True)
+    target.release_transformers_layers()
+    prompt = random_prompts(1, seed=9)[0]
+    settings = GenerationSettings(max_new_tokens=30, speculative=False)
+    assert run_to_end(Engine(target, None), prompt, settings).token_ids == \
+        run_to_end(Engine(kept, None), prompt, settings).token_ids
