@@ -25,8 +25,8 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 SHIPPED_HEADS = PROJECT_ROOT / "assets" / "heads" / "smollm2-135m-instruct"
 # The embedded default model's precision when none is asked for, where the CPU runs bfloat16:
 # int4, its GGUF's own 4-bit grid. Measured on mt_bench (20 x 256, docs/fast_decoder.md):
-# plain 1.40x and Gumiho 1.14x float32's, peak memory 1.4 GB against 5 GB, speculative ==
-# plain in every answer (blocked attention). Elsewhere float32.
+# plain 1.40x and Gumiho 1.14x float32's, peak memory under 1 GB (docs/benchmarks.md), speculative
+# == plain in every answer (blocked attention). Elsewhere float32.
 DEFAULT_MODEL_QUANTIZE = "int4"
 
 
