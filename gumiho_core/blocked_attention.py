@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 BLOCK = 64
-MASKED = -1e30  # a score no key can reach; finite, see _partials
+MASKED = -1e30  # a score no key can reach; finite, so a masked key weighs exp(MASKED - max) = 0, no NaN
 # float32 matmul gives a row the same bits for any row count from 3 up (measured 3-48 here);
 # 1 and 2 rows take other kernels, so fewer query rows are padded with zero rows.
 MIN_ROWS = 3

@@ -159,21 +159,21 @@ class FastDecoder(nn.Module):
         self.embedding = base.embed_tokens.weight.detach()
         # Each layer copied and turned into its precision before the next is copied: the
         # float32 copies never all exist at once (peak memory at load).
-        self.layers = nn.ModuleList(self._convert(layer, precision, discard_originals, convert_layer)
-                                    for layer in base.layers)
+        self.layers = nn.ModuleList()
+        for layer in base.layers:
+            self.layers.append(convert_layer(FastLayer(layer, self.shape), precision))  # its own copies
+            if discard_originals:
+                hand_back_pages(layer)
         self.norm = _copy(base.norm.weight.to(torch.float32 if precision == "float32" else torch.bfloat16))
         self.lm_head = convert_output(fuse_linears([model.get_output_embeddings()]), precision)
         self.rope = RotaryTable(self.shape["head_dim"], self.shape["rope_theta"])
-        # Where activations are bfloat16 (bfloat16, int8, int4), the flash kernel's last bit
-        # flips near-ties between tree and one-token passes: decoding takes blocked attention.
-        self.row_invariant = precision != "float32"
         self.precision = precision
 
-    def _convert(self, layer, precision: str, discard_original: bool, convert_layer) -> FastLayer:
-        fast = convert_layer(FastLayer(layer, self.shape), precision)  # its own copies of the weights
-        if discard_original:
-            hand_back_pages(layer)
-        return fast
+    @property
+    def row_invariant(self) -> bool:
+        # Where activations are bfloat16 (bfloat16, int8, int4), the flash kernel's last bit
+        # flips near-ties between tree and one-token passes: decoding takes blocked attention.
+        return self.precision != "float32"
 
     @classmethod
     def from_model(cls, model, precision: str = "float32",

@@ -15,9 +15,9 @@ from pathlib import Path
 
 from .errors import GumihoError
 from .generate import Engine
+from .cpu_matmul import bf16_packing_available
 from .heads import CONFIG_FILE, WEIGHTS_FILE, GumihoHeads, HeadCheckpoint, new_heads
 from .published import PUBLISHED_CONFIG, WEIGHT_CHOICES, load_published, weights_file
-from .quantize import bf16_on_cpu
 from .settings import TreeSettings
 from .target import load_target
 
@@ -46,7 +46,7 @@ def load_engine(model: str | None = None, heads: str | None = None, dtype: str =
     if heads:
         heads_layout(Path(heads))  # a wrong path fails before the target loads
     if quantize == "auto":
-        default_case = model is None and dtype == "float32" and device == "cpu" and fast and bf16_on_cpu()
+        default_case = model is None and dtype == "float32" and device == "cpu" and fast and bf16_packing_available()
         quantize = DEFAULT_MODEL_QUANTIZE if default_case else None
     target = load_target(model, dtype=dtype, quantize=quantize, device=device, fast=fast,
                          release_transformers=not keep_transformers)

@@ -89,14 +89,9 @@ def check_precision(precision: str, device: str = "cpu") -> None:
     """A clear line for a precision this machine cannot run (before anything loads)."""
     if precision not in PRECISIONS:
         raise GumihoError(f"unknown precision {precision!r}: use one of {', '.join(PRECISIONS)}")
-    if precision in ("int8", "int4", "bfloat16") and device == "cpu" and not bf16_on_cpu():
+    if precision in ("int8", "int4", "bfloat16") and device == "cpu" and not bf16_packing_available():
         raise GumihoError(f"{precision} needs a CPU with bfloat16 support (AVX512-BF16 or AMX); "
                           "this one has none: use float32")
-
-
-def bf16_on_cpu() -> bool:
-    """oneDNN's own test: native bfloat16 (AVX512-BF16 / AMX) or at least AVX-512 to emulate it."""
-    return bf16_packing_available()
 
 
 def convert_layer(layer: nn.Module, precision: str) -> nn.Module:

@@ -84,13 +84,13 @@ def test_the_default_engine_runs_on_the_fast_decoder_alone():
     would need them says so in words instead of running a stack with no layers."""
     from gumiho_core.errors import GumihoError
     from gumiho_core.loading import draft_tree_for, load_engine
-    from gumiho_core.quantize import bf16_on_cpu
+    from gumiho_core.cpu_matmul import bf16_packing_available
     from gumiho_core.settings import TreeSettings
     from gumiho_core.verify import run_target
 
     engine, note = load_engine(None, None)
     target = engine.target
-    expected = ("int4", TreeSettings.weight_only_cpu()) if bf16_on_cpu() else ("float32", TreeSettings())
+    expected = ("int4", TreeSettings.weight_only_cpu()) if bf16_packing_available() else ("float32", TreeSettings())
     assert note == "shipped" and target.fast is not None
     assert (target.fast.precision, draft_tree_for(engine)) == expected
     assert not target.transformers_layers and len(target.model.base_model.layers) == 0

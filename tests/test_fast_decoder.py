@@ -129,7 +129,7 @@ def test_rotary_scaling_is_refused_by_the_fast_decoder():
 def test_a_precision_the_cpu_cannot_run_is_one_clear_line(monkeypatch):
     from gumiho_core import quantize
 
-    monkeypatch.setattr(quantize, "bf16_on_cpu", lambda: False)
+    monkeypatch.setattr(quantize, "bf16_packing_available", lambda: False)
     with pytest.raises(GumihoError, match="int8 needs a CPU with bfloat16 support"):
         check_precision("int8")
     check_precision("float32")  # always runs
