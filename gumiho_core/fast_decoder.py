@@ -9,9 +9,10 @@ MLP) with:
   long chat outgrows it; keeping a tree's accepted path moves its entries in place;
 - q/k/v and gate/up fused into one matrix each: two products fewer per layer;
 - tree attention through PyTorch's flash kernel over the cache as it lies (float32), or, where
-  the activations are bfloat16 (bfloat16 / int8 / int4), through blocked_attention.py, whose
-  result for a row does not depend on the other rows of its pass: a tree pass then decides
-  every near-tie exactly as plain decoding's one-token pass does;
+  the activations are bfloat16 (bfloat16 / int8 / int4), through an attention whose result
+  for a row does not depend on the other rows of its pass: a tree pass then decides every
+  near-tie exactly as plain decoding's one-token pass does. That is cpu_kernels.c (one call
+  a layer) where the machine compiles it, blocked_attention.py (PyTorch operations) elsewhere;
 - weights in the precision chosen at load (quantize.py), applied once, invisible here.
 
 `FastDecoder.from_model` builds one from a loaded transformers model, or returns the reason it
@@ -23,11 +24,13 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import cpu_kernels
 from .blocked_attention import BlockLayout, block_layout, blocked_attention
 
 MADV_DONTNEED = 4  # linux/mman.h
@@ -95,6 +98,15 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + rotated * sin
 
 
+@dataclass
+class KernelPlan:
+    """A decoding pass's attention through cpu_kernels.c: which new rows each row sees."""
+
+    kernels: cpu_kernels.CpuKernels
+    start: int  # cache slots before the pass
+    ancestors: torch.Tensor  # (n, n) uint8, rows in depth order, itself included
+
+
 class FastLayer(nn.Module):
     def __init__(self, layer, shape: dict):
         super().__init__()
@@ -122,7 +134,10 @@ class FastLayer(nn.Module):
         end = start + n
         cache.keys[index, :, start:end] = qk[:, heads:].transpose(0, 1)
         cache.values[index, :, start:end] = v.transpose(0, 1)
-        if isinstance(plan, BlockLayout):  # row-count invariant (blocked_attention.py)
+        if isinstance(plan, KernelPlan):  # row-count invariant, one call (cpu_kernels.c)
+            attn = plan.kernels.tree_attention(qk[:, :heads], cache.keys[index], cache.values[index], start,
+                                               plan.ancestors, self.scale)
+        elif isinstance(plan, BlockLayout):  # row-count invariant (blocked_attention.py)
             attn = blocked_attention(qk[:, :heads], cache.keys[index], cache.values[index], plan, self.scale)
         else:
             attn = self._flash_attention(qk[:, :heads], cache, index, end, plan)
@@ -168,6 +183,10 @@ class FastDecoder(nn.Module):
         self.lm_head = convert_output(fuse_linears([model.get_output_embeddings()]), precision)
         self.rope = RotaryTable(self.shape["head_dim"], self.shape["rope_theta"])
         self.precision = precision
+        # Row-invariant attention in one call a layer where the machine builds the kernel.
+        self.kernels, self.kernels_note = None, ""
+        if self.row_invariant and self.norm.device.type == "cpu" and cpu_kernels.supports(self.shape["head_dim"]):
+            self.kernels, self.kernels_note = cpu_kernels.load()
 
     @property
     def row_invariant(self) -> bool:
@@ -206,7 +225,7 @@ class FastDecoder(nn.Module):
         if self.row_invariant and (n == 1 or ancestors is not None):
             # Decoding steps (one token, or a tree): a row's bits do not depend on the pass.
             # A prefill keeps the flash kernel: plain and speculative decoding share it.
-            plan = block_layout(start, positions, ancestors)
+            plan = self._row_invariant_plan(start, positions, ancestors)
         else:
             plan = self._mask(n, start, ancestors)
         x = F.embedding(tokens, self.embedding).to(self.dtype)
@@ -217,6 +236,13 @@ class FastDecoder(nn.Module):
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         return self.lm_head(features).float()
+
+    def _row_invariant_plan(self, start: int, positions: torch.Tensor, ancestors: torch.Tensor | None):
+        if self.kernels is None:
+            return block_layout(start, positions, ancestors)
+        n = len(positions)
+        seen = ancestors if ancestors is not None else torch.ones(n, n, dtype=torch.bool).tril()
+        return KernelPlan(self.kernels, start, seen.to(torch.uint8).contiguous())
 
     def _mask(self, n: int, start: int, ancestors: torch.Tensor | None) -> torch.Tensor | None:
         """SDPA's boolean mask (rep * n, start + n) or None when every row sees everything."""

@@ -52,6 +52,8 @@ def load_engine(model: str | None = None, heads: str | None = None, dtype: str =
                          release_transformers=not keep_transformers)
     if target.fast_note:
         warn(f"note: {target.fast_note}; passes run on transformers' forward")
+    if target.fast is not None and target.fast.kernels_note:
+        warn(f"note: {target.fast.kernels_note}")
     _return_freed_memory()
     if heads:
         return Engine(target, load_heads(heads, target)), str(heads)

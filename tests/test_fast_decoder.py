@@ -26,17 +26,27 @@ from tiny import hf_greedy, random_prompts, tiny_target, tiny_tokenizer
 TREE = TreeSettings(top_k=3, total_tokens=10, depth=4, mlp_topk=2, pruning=4, fta=True, fta_tokens=2)
 
 
-def fast_target(precision: str, seed: int = 0) -> Target:
-    return attach_fast_decoder(tiny_target(seed=seed, eos=False), precision)
+def fast_target(precision: str, seed: int = 0, attention: str = "kernel") -> Target:
+    """attention: the low precisions' row-invariant attention, "kernel" (cpu_kernels.c, where
+    this machine builds it) or "pytorch" (blocked_attention.py)."""
+    target = attach_fast_decoder(tiny_target(seed=seed, eos=False), precision)
+    if attention == "pytorch":
+        target.fast.kernels = None
+    elif precision != "float32" and target.fast.kernels is None:
+        pytest.skip(f"no kernels on this machine: {target.fast.kernels_note}")
+    return target
 
 
+@pytest.mark.parametrize("attention", ["kernel", "pytorch"])
 @pytest.mark.parametrize("precision", PRECISIONS)
-def test_speculative_equals_plain_in_every_precision(precision):
+def test_speculative_equals_plain_in_every_precision(precision, attention):
     """Token for token in every precision: in bfloat16 / int8 / int4 a row's bits do not depend
-    on the rows beside it in a pass (row-invariant products, blocked attention), so a tree pass
+    on the rows beside it in a pass (row-invariant products and attention), so a tree pass
     decides every near-tie as a one-token pass does. Prompts and answers run past several of
     blocked attention's 64-key blocks, so trees straddle block boundaries."""
-    target = fast_target(precision)
+    if precision == "float32" and attention == "pytorch":
+        pytest.skip("float32 takes the flash kernel either way")
+    target = fast_target(precision, attention=attention)
     assert target.fast is not None
     engine = Engine(target, new_heads(target))
     for prompt in random_prompts(4, seed=3) + random_prompts(2, seed=4, lo=100, hi=140):
@@ -153,12 +163,13 @@ def test_quantized_products_do_not_depend_on_the_row_count(layer_type):
         assert torch.equal(layer(x[:rows]), one_by_one[:rows]), rows
 
 
+@pytest.mark.parametrize("attention", ["kernel", "pytorch"])
 @pytest.mark.parametrize("precision", PRECISIONS)
-def test_a_tree_pass_matches_one_token_passes(precision):
+def test_a_tree_pass_matches_one_token_passes(precision, attention):
     """Three tokens read one pass each, as one causal pass, or inside a padded tree pass (as
     TargetPasses pads) give the same features: up to the attention's rounding in float32 and
     in a prefill, bit for bit for decoding passes in the low precisions."""
-    decoder = fast_target(precision).fast
+    decoder = fast_target(precision, attention=attention).fast
     prompt, chain = torch.tensor(random_prompts(1, seed=8)[0]), torch.tensor([5, 17, 42])
     with torch.inference_mode():
         cache = decoder.new_cache()
@@ -176,7 +187,7 @@ def test_a_tree_pass_matches_one_token_passes(precision):
     torch.testing.assert_close(together, one_by_one, **tolerance)  # a causal prefill: the flash kernel
     if precision == "float32":
         torch.testing.assert_close(in_tree, one_by_one, **tolerance)
-    else:  # decoding passes on blocked attention: a row's bits whatever the pass
+    else:  # decoding passes on row-invariant attention: a row's bits whatever the pass
         assert torch.equal(in_tree, one_by_one)
 
 

@@ -1,0 +1,150 @@
+/* Attention for the fast decoder's decoding passes (one token, or a draft tree), on the CPU.
+
+   Compiled once per machine by cpu_kernels.py (cc -O3 -march=native). Why a kernel of our
+   own: a one-token pass of a 135M model spent ~20 PyTorch operations per layer on attention,
+   each costing microseconds of dispatch for a few microseconds of arithmetic.
+
+   Every (row, query head) is computed alone, by the same code in the same order, whatever
+   else shares the pass: its keys in the order of its own sequence (the cache before the
+   pass, then its ancestors in the tree, itself last), one dot product per key, the maximum,
+   the weights, and the weighted values summed key by key. So a tree row's result has the
+   same bits as the one-token pass at its position (blocked_attention.py explains why that
+   matters under bfloat16).
+
+   Layout: queries bfloat16 (rows strided by q_row_stride elements, heads by d); one layer's
+   cache keys and values float32 (kv_heads, capacity, d); the output bfloat16 (n, heads * d). */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+static inline float from_bf16(uint16_t h) {
+    union { uint32_t u; float f; } x = { .u = (uint32_t)h << 16 };
+    return x.f;
+}
+
+static inline uint16_t to_bf16(float f) {  /* round to nearest even, as PyTorch does */
+    union { float f; uint32_t u; } x = { .f = f };
+    if ((x.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x.u >> 16) | 0x40);  /* NaN */
+    return (uint16_t)((x.u + 0x7fffu + ((x.u >> 16) & 1u)) >> 16);
+}
+
+static inline v16 load16(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
+static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
+static inline v16 splat(float x) { return (v16){0} + x; }
+
+/* The 16 lanes added as a fixed tree: 8 + 8, 4 + 4, 2 + 2, 1 + 1. */
+static inline float lane_sum(v16 v) {
+    typedef float v8 __attribute__((vector_size(32)));
+    typedef float v4 __attribute__((vector_size(16)));
+    v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+/* exp(x) for x <= 0 (scores minus their maximum), lane by lane: Cephes' expf polynomial,
+   within a couple of ulps. A lane's result depends on that lane alone. */
+static inline v16 exp16(v16 x) {
+    v16 low = splat(-87.0f);
+    v16i below = x < low;
+    x = (v16)(((v16i)low & below) | ((v16i)x & ~below));
+    v16i n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, v16i);  /* round, x <= 0 */
+    v16 nf = __builtin_convertvector(n, v16);
+    v16 r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+    v16 p = splat(1.9875691500e-4f);
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    v16i scale = (n + 127) << 23;
+    return p * (v16)scale;
+}
+
+#define MAX_GROUP 8  /* query heads per KV head handled together (more: in several groups) */
+
+/* Query heads sharing one KV head (q: group x d floats, already scaled), each over the keys
+   at slots[0..count): every key is read once for the group; each head's arithmetic is its
+   own, the same for any group size. scores: room for group x (count + 16). */
+static inline __attribute__((always_inline)) void attend_group(const float *q, int group, const float *keys, const float *values,
+                         const int32_t *slots, int count, int d, float *scores, uint16_t *out) {
+    int chunks = d / 16, stride = count + 16;
+    v16 qv[MAX_GROUP][16], acc[MAX_GROUP][16];
+    float best[MAX_GROUP], total[MAX_GROUP];
+    for (int g = 0; g < group; g++) {
+        for (int c = 0; c < chunks; c++) qv[g][c] = load16(q + g * d + 16 * c);
+        best[g] = -3.0e38f;
+    }
+    for (int j = 0; j < count; j++) {
+        const float *k = keys + (long)slots[j] * d;
+        for (int g = 0; g < group; g++) {
+            v16 dot = qv[g][0] * load16(k);
+            for (int c = 1; c < chunks; c++) dot += qv[g][c] * load16(k + 16 * c);
+            float score = lane_sum(dot);
+            scores[g * stride + j] = score;
+            best[g] = score > best[g] ? score : best[g];
+        }
+    }
+    for (int g = 0; g < group; g++) {
+        float *s = scores + g * stride;
+        for (int j = count; j % 16; j++) s[j] = best[g];  /* padding lanes: computed, never used */
+        for (int j = 0; j < count; j += 16) store16(s + j, exp16(load16(s + j) - best[g]));
+        total[g] = 0.0f;
+        for (int c = 0; c < chunks; c++) acc[g][c] = splat(0.0f);
+    }
+    for (int j = 0; j < count; j++) {
+        const float *v = values + (long)slots[j] * d;
+        for (int g = 0; g < group; g++) {
+            float weight = scores[g * stride + j];
+            total[g] += weight;
+            for (int c = 0; c < chunks; c++) acc[g][c] += splat(weight) * load16(v + 16 * c);
+        }
+    }
+    for (int g = 0; g < group; g++) {
+        float result[256];
+        for (int c = 0; c < chunks; c++) store16(result + 16 * c, acc[g][c] / total[g]);
+        for (int i = 0; i < d; i++) out[g * d + i] = to_bf16(result[i]);
+    }
+}
+
+/* n rows at cache slots start .. start + n; row r sees the cache before `start` and the rows
+   a with ancestors[r * n + a] != 0 (itself included; rows are numbered in depth order).
+   Returns 0, or -1 when d is not a multiple of 16 up to 256 or memory runs out. */
+int tree_attention(const uint16_t *q, long q_row_stride, const float *keys, const float *values,
+                   long capacity, int n, int heads, int kv_heads, int d, int start,
+                   const uint8_t *ancestors, float scale, uint16_t *out) {
+    if (d % 16 || d > 256 || heads % kv_heads) return -1;
+    int rep = heads / kv_heads;
+    int32_t *slots = malloc(sizeof(int32_t) * (size_t)(start + n));
+    float *scores = malloc(sizeof(float) * MAX_GROUP * (size_t)(start + n + 16));
+    if (!slots || !scores) { free(slots); free(scores); return -1; }
+    for (int j = 0; j < start; j++) slots[j] = j;
+    float qf[MAX_GROUP * 256];
+    for (int r = 0; r < n; r++) {
+        int count = start;
+        for (int a = 0; a < n; a++)
+            if (ancestors[(long)r * n + a]) slots[count++] = start + a;
+        for (int h0 = 0; h0 < heads; h0 += MAX_GROUP) {
+            int kv = h0 / rep, group = rep - h0 % rep;  /* heads h0 .. h0 + group share KV head kv */
+            group = group < MAX_GROUP ? group : MAX_GROUP;
+            for (int g = 0; g < group; g++) {
+                const uint16_t *qh = q + r * q_row_stride + (long)(h0 + g) * d;
+                for (int i = 0; i < d; i++) qf[g * d + i] = from_bf16(qh[i]) * scale;
+            }
+            long head_offset = (long)kv * capacity * d;
+            uint16_t *o = out + ((long)r * heads + h0) * d;
+            const float *k = keys + head_offset, *v = values + head_offset;
+            if (d == 64)  /* the usual head size, unrolled by the compiler */
+                attend_group(qf, group, k, v, slots, count, 64, scores, o);
+            else
+                attend_group(qf, group, k, v, slots, count, d, scores, o);
+            h0 += group - MAX_GROUP;  /* the loop adds MAX_GROUP */
+        }
+    }
+    free(slots);
+    free(scores);
+    return 0;
+}

@@ -1,0 +1,109 @@
+"""The fast decoder's own CPU kernel (cpu_kernels.c), compiled once per machine and loaded.
+
+A one-token pass of the default model spent about a quarter of its time in attention's
+small PyTorch operations (~20 a layer, each microseconds of dispatch around a little
+arithmetic). cpu_kernels.c does the same attention in one call per layer, and computes each
+row alone, so its result does not depend on the other rows of the pass (what lossless
+decoding in bfloat16 needs; blocked_attention.py is the pure-PyTorch way to the same end).
+
+It is built with the machine's C compiler (`cc -O3 -march=native`, under a second) into the
+cache folder, keyed by the source and the CPU, on first use. Where no compiler is found the
+decoder keeps blocked_attention.py, with a one-line note; `GUMIHO_NATIVE_KERNELS=0` asks for
+that path on purpose (tests compare the two).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11"]
+
+
+class CpuKernels:
+    """The compiled library, with its one entry point typed."""
+
+    def __init__(self, path: Path):
+        self.library = ctypes.CDLL(str(path))
+        self._attention = self.library.tree_attention
+        self._attention.restype = ctypes.c_int
+        self._attention.argtypes = [
+            ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long,
+            ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+            ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p,
+        ]
+
+    def tree_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
+                       ancestors: torch.Tensor, scale: float) -> torch.Tensor:
+        """q (n, heads, d) bfloat16, rows of any stride, heads contiguous; keys / values
+        (kv_heads, capacity, d) float32 contiguous, one layer's cache holding the new rows at
+        start .. start + n; ancestors (n, n) uint8 contiguous, which new rows each row sees
+        (itself included, rows in depth order). Returns (n, heads * d) bfloat16."""
+        n, heads, d = q.shape
+        assert q.dtype == torch.bfloat16 and q.stride(1) == d and q.stride(2) == 1
+        assert keys.dtype == values.dtype == torch.float32 and keys.is_contiguous() and values.is_contiguous()
+        assert ancestors.dtype == torch.uint8 and ancestors.is_contiguous() and ancestors.shape == (n, n)
+        out = torch.empty(n, heads * d, dtype=torch.bfloat16)
+        failed = self._attention(q.data_ptr(), q.stride(0), keys.data_ptr(), values.data_ptr(), keys.shape[1],
+                                 n, heads, keys.shape[0], d, start, ancestors.data_ptr(), scale, out.data_ptr())
+        if failed:
+            raise RuntimeError(f"cpu_kernels.tree_attention refused head_dim {d} (a multiple of 16 up to 256)")
+        return out
+
+
+def supports(head_dim: int) -> bool:
+    return head_dim % 16 == 0 and head_dim <= 256
+
+
+@functools.cache
+def load() -> tuple[CpuKernels | None, str]:
+    """(the kernels, "") or (None, why not): compiled on first use, then read from the cache."""
+    if os.environ.get("GUMIHO_NATIVE_KERNELS", "1") == "0":
+        return None, "GUMIHO_NATIVE_KERNELS=0"
+    if platform.machine() not in ("x86_64", "AMD64", "aarch64", "arm64"):
+        return None, f"no kernel build for {platform.machine()}"
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        return None, "no C compiler found (cc / gcc): attention stays in PyTorch operations"
+    try:
+        return CpuKernels(_build(compiler)), ""
+    except (OSError, subprocess.CalledProcessError) as exc:
+        return None, f"building cpu_kernels.c failed ({str(exc).splitlines()[0]}): attention stays in PyTorch"
+
+
+def _build(compiler: str) -> Path:
+    from .target import cache_dir  # the project's one cache folder
+
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join([compiler, *FLAGS, _cpu_id()]).encode()).hexdigest()[:16]
+    library = cache_dir() / "kernels" / f"cpu_kernels-{key}.so"
+    if library.exists():
+        return library
+    library.parent.mkdir(parents=True, exist_ok=True)
+    # Built beside its final name and renamed: processes starting together never load half a file.
+    with tempfile.TemporaryDirectory(dir=library.parent) as work:
+        built = Path(work) / library.name
+        subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE)], check=True, capture_output=True,
+                       timeout=120)
+        os.replace(built, library)
+    return library
+
+
+def _cpu_id() -> str:
+    """-march=native compiles for this CPU: a cache shared with another machine must not match."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()

@@ -1,0 +1,90 @@
+"""cpu_kernels.c: attention whose result for a row does not depend on the other rows of its pass."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gumiho_core import cpu_kernels
+from test_blocked_attention import random_tree
+
+KV_HEADS = 3
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    built, why = cpu_kernels.load()
+    if built is None:
+        pytest.skip(f"no kernels on this machine: {why}")
+    return built
+
+
+def cache_with(keys_and_values: int, head_dim: int, seed: int):
+    """A layer's cache (kv_heads, capacity, d) holding bfloat16-representable values, as the
+    decoder's does, with spare capacity after the entries in use."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (KV_HEADS, keys_and_values + 40, head_dim)
+    return (torch.randn(shape, generator=g).bfloat16().float(), torch.randn(shape, generator=g).bfloat16().float())
+
+
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+@pytest.mark.parametrize("rep", [1, 3])
+@pytest.mark.parametrize("start", [0, 5, 63, 64, 250])
+def test_a_tree_row_is_the_same_bits_as_the_row_alone(kernels, start, rep, head_dim):
+    """Each row of a random tree against the one-token pass at its position, where its keys
+    lie in order in the cache; and against PyTorch's attention over the same keys."""
+    n, scale = 12, head_dim ** -0.5
+    ancestors, _ = random_tree(n, seed=start + rep)
+    keys, values = cache_with(start + n, head_dim, seed=start)
+    # Queries as the decoder hands them over: rows strided inside the fused q/k/v output.
+    q = torch.randn(n, KV_HEADS * (rep + 2), head_dim).bfloat16()[:, : KV_HEADS * rep]
+    in_tree = kernels.tree_attention(q, keys, values, start, ancestors.to(torch.uint8).contiguous(), scale)
+    for r in range(n):
+        path = ancestors[r].nonzero().flatten().tolist()
+        order = list(range(start)) + [start + node for node in path]
+        k_alone, v_alone = keys.clone(), values.clone()
+        k_alone[:, : len(order)], v_alone[:, : len(order)] = keys[:, order], values[:, order]
+        position = len(order) - 1
+        row = kernels.tree_attention(q[r : r + 1], k_alone, v_alone, position, torch.ones(1, 1, dtype=torch.uint8),
+                                     scale)
+        assert torch.equal(row, in_tree[r : r + 1]), r
+        reference = F.scaled_dot_product_attention(q[r].float().view(KV_HEADS, rep, head_dim), keys[:, order],
+                                                   values[:, order], scale=scale)
+        # bfloat16 output: within its rounding of the float32 result
+        torch.testing.assert_close(row.float(), reference.reshape(1, -1), rtol=1e-2, atol=1e-2)
+
+
+def test_many_query_heads_per_kv_head_are_taken_in_groups(kernels):
+    """More query heads per KV head than the kernel takes at once (8): the same bits as each
+    head computed alone (one query head per KV head, the same keys)."""
+    rep, d, start = 12, 64, 30
+    keys, values = cache_with(start + 1, d, seed=1)
+    q = torch.randn(1, KV_HEADS * rep, d).bfloat16()
+    together = kernels.tree_attention(q, keys, values, start, torch.ones(1, 1, dtype=torch.uint8), 0.125)
+    for h in range(KV_HEADS * rep):
+        kv = h // rep
+        one = kernels.tree_attention(q[:, h : h + 1], keys[kv : kv + 1].contiguous(), values[kv : kv + 1].contiguous(),
+                                     start, torch.ones(1, 1, dtype=torch.uint8), 0.125)
+        assert torch.equal(one, together[:, h * d : (h + 1) * d]), h
+
+
+def test_without_a_compiler_the_decoder_keeps_pytorch_attention(monkeypatch):
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setattr(cpu_kernels.shutil, "which", lambda name: None)
+    cpu_kernels.load.cache_clear()
+    try:
+        built, why = cpu_kernels.load()
+        assert built is None and "no C compiler" in why and "\n" not in why
+    finally:
+        cpu_kernels.load.cache_clear()
+
+
+def test_a_broken_compiler_is_one_line_not_a_traceback(monkeypatch, tmp_path):
+    monkeypatch.setenv("GUMIHO_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "false")  # a compiler that always fails
+    cpu_kernels.load.cache_clear()
+    try:
+        built, why = cpu_kernels.load()
+        assert built is None and why.startswith("building cpu_kernels.c failed") and "\n" not in why
+    finally:
+        cpu_kernels.load.cache_clear()
