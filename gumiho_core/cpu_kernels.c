@@ -148,3 +148,53 @@ int tree_attention(const uint16_t *q, long q_row_stride, const float *keys, cons
     free(scores);
     return 0;
 }
+
+/* x (n, dim) bfloat16, plus y (n, dim) when y is not NULL (rounded once, in place: the
+   residual stream), then out = x / rms(x) * weight, in float32 rounded once to bfloat16. */
+void add_rms_norm(uint16_t *x, const uint16_t *y, const uint16_t *weight, int n, int dim, float eps,
+                  uint16_t *out) {
+    for (int r = 0; r < n; r++) {
+        uint16_t *row = x + (long)r * dim;
+        if (y)
+            for (int i = 0; i < dim; i++) row[i] = to_bf16(from_bf16(row[i]) + from_bf16(y[(long)r * dim + i]));
+        float lanes[16] = {0};
+        int i = 0;
+        for (; i + 16 <= dim; i += 16)
+            for (int l = 0; l < 16; l++) lanes[l] += from_bf16(row[i + l]) * from_bf16(row[i + l]);
+        for (; i < dim; i++) lanes[0] += from_bf16(row[i]) * from_bf16(row[i]);
+        v16 all;
+        memcpy(&all, lanes, sizeof all);
+        float inverse = 1.0f / __builtin_sqrtf(lane_sum(all) / (float)dim + eps);
+        for (i = 0; i < dim; i++) out[(long)r * dim + i] = to_bf16(from_bf16(row[i]) * inverse * from_bf16(weight[i]));
+    }
+}
+
+/* Rotary positions (transformers' half-split layout) on the queries and keys of a fused
+   q/k/v output, qkv (n, heads + 2 kv_heads, d) bfloat16, with cos / sin (n, d) float32.
+   Rotated queries go to q_out (n, heads, d) bfloat16; keys (rotated, rounded to bfloat16)
+   and values to one layer's cache (kv_heads, capacity, d) float32 at slots start .. start + n. */
+void rotate_and_store(const uint16_t *qkv, const float *cos, const float *sin, int n, int heads,
+                      int kv_heads, int d, long capacity, int start, uint16_t *q_out, float *keys,
+                      float *values) {
+    int half = d / 2;
+    for (int r = 0; r < n; r++) {
+        const float *c = cos + (long)r * d, *s = sin + (long)r * d;
+        for (int h = 0; h < heads + 2 * kv_heads; h++) {
+            const uint16_t *x = qkv + ((long)r * (heads + 2 * kv_heads) + h) * d;
+            float rotated[512];
+            for (int i = 0; i < d; i++) {
+                float other = i < half ? -from_bf16(x[i + half]) : from_bf16(x[i - half]);
+                rotated[i] = from_bf16(x[i]) * c[i] + other * s[i];
+            }
+            if (h < heads) {
+                for (int i = 0; i < d; i++) q_out[((long)r * heads + h) * d + i] = to_bf16(rotated[i]);
+            } else if (h < heads + kv_heads) {
+                float *k = keys + ((long)(h - heads) * capacity + start + r) * d;
+                for (int i = 0; i < d; i++) k[i] = from_bf16(to_bf16(rotated[i]));
+            } else {
+                float *v = values + ((long)(h - heads - kv_heads) * capacity + start + r) * d;
+                for (int i = 0; i < d; i++) v[i] = from_bf16(x[i]);
+            }
+        }
+    }
+}

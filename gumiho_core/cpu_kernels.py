@@ -29,18 +29,45 @@ SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11"]
 
 
+P, LONG, INT, FLOAT = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
+
+
 class CpuKernels:
-    """The compiled library, with its one entry point typed."""
+    """The compiled library, its entry points typed. Tensors are checked by the caller (the
+    decoder hands over its own, in the layouts below); a kernel reads raw pointers."""
 
     def __init__(self, path: Path):
         self.library = ctypes.CDLL(str(path))
-        self._attention = self.library.tree_attention
-        self._attention.restype = ctypes.c_int
-        self._attention.argtypes = [
-            ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long,
-            ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-            ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p,
-        ]
+        self._attention = self._typed("tree_attention", INT, P, LONG, P, P, LONG, INT, INT, INT, INT, INT, P,
+                                      FLOAT, P)
+        self._add_rms_norm = self._typed("add_rms_norm", None, P, P, P, INT, INT, FLOAT, P)
+        self._rotate_and_store = self._typed("rotate_and_store", None, P, P, P, INT, INT, INT, INT, LONG, INT,
+                                             P, P, P)
+
+    def _typed(self, name: str, result, *arguments):
+        function = getattr(self.library, name)
+        function.restype, function.argtypes = result, list(arguments)
+        return function
+
+    def add_rms_norm(self, x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x += y in place (None: nothing added), then RMSNorm(x) * weight. All bfloat16,
+        contiguous, x and y (n, dim), weight (dim,)."""
+        out = torch.empty_like(x)
+        self._add_rms_norm(x.data_ptr(), None if y is None else y.data_ptr(), weight.data_ptr(), x.shape[0],
+                           x.shape[1], eps, out.data_ptr())
+        return out
+
+    def rotate_and_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
+                         values: torch.Tensor, start: int, heads: int) -> torch.Tensor:
+        """qkv (n, heads + 2 kv_heads, d) bfloat16 contiguous; cos / sin (n, d) float32; keys /
+        values one layer's cache (kv_heads, capacity, d) float32. Rotary positions on queries
+        and keys; keys and values written at cache slots start .. start + n. Returns the
+        rotated queries (n, heads, d) bfloat16."""
+        n, _, d = qkv.shape
+        q = torch.empty(n, heads, d, dtype=torch.bfloat16)
+        self._rotate_and_store(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), n, heads, keys.shape[0], d,
+                               keys.shape[1], start, q.data_ptr(), keys.data_ptr(), values.data_ptr())
+        return q
 
     def tree_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
                        ancestors: torch.Tensor, scale: float) -> torch.Tensor:
@@ -49,9 +76,6 @@ class CpuKernels:
         start .. start + n; ancestors (n, n) uint8 contiguous, which new rows each row sees
         (itself included, rows in depth order). Returns (n, heads * d) bfloat16."""
         n, heads, d = q.shape
-        assert q.dtype == torch.bfloat16 and q.stride(1) == d and q.stride(2) == 1
-        assert keys.dtype == values.dtype == torch.float32 and keys.is_contiguous() and values.is_contiguous()
-        assert ancestors.dtype == torch.uint8 and ancestors.is_contiguous() and ancestors.shape == (n, n)
         out = torch.empty(n, heads * d, dtype=torch.bfloat16)
         failed = self._attention(q.data_ptr(), q.stride(0), keys.data_ptr(), values.data_ptr(), keys.shape[1],
                                  n, heads, keys.shape[0], d, start, ancestors.data_ptr(), scale, out.data_ptr())

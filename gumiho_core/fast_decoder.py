@@ -102,8 +102,6 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 class KernelPlan:
     """A decoding pass's attention through cpu_kernels.c: which new rows each row sees."""
 
-    kernels: cpu_kernels.CpuKernels
-    start: int  # cache slots before the pass
     ancestors: torch.Tensor  # (n, n) uint8, rows in depth order, itself included
 
 
@@ -122,8 +120,11 @@ class FastLayer(nn.Module):
         self.gate_up = fuse_linears([mlp.gate_proj, mlp.up_proj])
         self.down = fuse_linears([mlp.down_proj])
         self.scale = attn.scaling
+        self.kernels: cpu_kernels.CpuKernels | None = None  # set by FastDecoder where they run
 
     def forward(self, x, cos, sin, cache: StaticKVCache, index: int, start: int, plan):
+        if self.kernels is not None:
+            return self._forward_on_kernels(x, cos, sin, cache, index, start, plan)
         n, d, heads, kv_heads = x.shape[0], self.head_dim, self.heads, self.kv_heads
         qkv = self.qkv(rms_norm(x, self.attn_norm, self.eps)).view(n, heads + 2 * kv_heads, d)
         qk, v = qkv[:, : heads + kv_heads], qkv[:, heads + kv_heads :]
@@ -134,15 +135,32 @@ class FastLayer(nn.Module):
         end = start + n
         cache.keys[index, :, start:end] = qk[:, heads:].transpose(0, 1)
         cache.values[index, :, start:end] = v.transpose(0, 1)
-        if isinstance(plan, KernelPlan):  # row-count invariant, one call (cpu_kernels.c)
-            attn = plan.kernels.tree_attention(qk[:, :heads], cache.keys[index], cache.values[index], start,
-                                               plan.ancestors, self.scale)
-        elif isinstance(plan, BlockLayout):  # row-count invariant (blocked_attention.py)
+        if isinstance(plan, BlockLayout):  # row-count invariant (blocked_attention.py)
             attn = blocked_attention(qk[:, :heads], cache.keys[index], cache.values[index], plan, self.scale)
         else:
             attn = self._flash_attention(qk[:, :heads], cache, index, end, plan)
         x = x + self.out(attn.to(x.dtype))
         gate, up = self.gate_up(rms_norm(x, self.mlp_norm, self.eps)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+    def _forward_on_kernels(self, x, cos, sin, cache: StaticKVCache, index: int, start: int, plan):
+        """forward's arithmetic with the glue in cpu_kernels.c: a norm, rotary positions and the
+        cache writes, and a decoding pass's attention are one call each (cos / sin float32 (n, d))."""
+        n, kernels = x.shape[0], self.kernels
+        qkv = self.qkv(kernels.add_rms_norm(x, None, self.attn_norm, self.eps))
+        qkv = qkv.view(n, self.heads + 2 * self.kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            qkv[:, : self.heads] = rms_norm(qkv[:, : self.heads], self.q_norm, self.eps)
+            qkv[:, self.heads : self.heads + self.kv_heads] = rms_norm(qkv[:, self.heads : -self.kv_heads],
+                                                                       self.k_norm, self.eps)
+        keys, values = cache.keys[index], cache.values[index]
+        q = kernels.rotate_and_store(qkv, cos, sin, keys, values, start, self.heads)
+        if isinstance(plan, KernelPlan):  # row-count invariant, one call
+            attn = kernels.tree_attention(q, keys, values, start, plan.ancestors, self.scale)
+        else:  # a prefill: the flash kernel
+            attn = self._flash_attention(q, cache, index, start + n, plan).to(x.dtype)
+        hidden = kernels.add_rms_norm(x, self.out(attn), self.mlp_norm, self.eps)  # x += attention's output
+        gate, up = self.gate_up(hidden).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
 
     def _flash_attention(self, q, cache: StaticKVCache, index: int, end: int, mask):
@@ -189,6 +207,16 @@ class FastDecoder(nn.Module):
             self.kernels, self.kernels_note = cpu_kernels.load()
 
     @property
+    def kernels(self) -> cpu_kernels.CpuKernels | None:
+        """cpu_kernels.c where the decoder runs it (bfloat16 activations on a CPU that built it)."""
+        return self.layers[0].kernels
+
+    @kernels.setter
+    def kernels(self, kernels: cpu_kernels.CpuKernels | None) -> None:
+        for layer in self.layers:
+            layer.kernels = kernels
+
+    @property
     def row_invariant(self) -> bool:
         # Where activations are bfloat16 (bfloat16, int8, int4), the flash kernel's last bit
         # flips near-ties between tree and one-token passes: decoding takes blocked attention.
@@ -221,7 +249,7 @@ class FastDecoder(nn.Module):
         a tree pass is trimmed to its accepted path afterwards (StaticKVCache.keep_path)."""
         n, start = len(tokens), cache.length
         cache.reserve(start + n)
-        cos, sin = self.rope(positions, self.dtype)
+        cos, sin = self.rope(positions, torch.float32 if self.kernels else self.dtype)
         if self.row_invariant and (n == 1 or ancestors is not None):
             # Decoding steps (one token, or a tree): a row's bits do not depend on the pass.
             # A prefill keeps the flash kernel: plain and speculative decoding share it.
@@ -242,7 +270,7 @@ class FastDecoder(nn.Module):
             return block_layout(start, positions, ancestors)
         n = len(positions)
         seen = ancestors if ancestors is not None else torch.ones(n, n, dtype=torch.bool).tril()
-        return KernelPlan(self.kernels, start, seen.to(torch.uint8).contiguous())
+        return KernelPlan(seen.to(torch.uint8).contiguous())
 
     def _mask(self, n: int, start: int, ancestors: torch.Tensor | None) -> torch.Tensor | None:
         """SDPA's boolean mask (rep * n, start + n) or None when every row sees everything."""
