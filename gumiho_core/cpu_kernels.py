@@ -37,6 +37,7 @@ class CpuKernels:
     decoder hands over its own, in the layouts below); a kernel reads raw pointers."""
 
     def __init__(self, path: Path):
+        self.version = path.stem  # the source's and the CPU's hash: measured costs are keyed on it
         self.library = ctypes.CDLL(str(path))
         self._attention = self._typed("tree_attention", INT, P, LONG, P, P, LONG, INT, INT, INT, INT, INT, P,
                                       FLOAT, P)

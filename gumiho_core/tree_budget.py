@@ -94,7 +94,9 @@ def _machine_key(target) -> dict:
             "packed_sgemm": PACKING_AVAILABLE,
             "attention": getattr(target.config, "_attn_implementation", None),  # and attention.py
             # and the fast decoder, by its precision (quantize.py)
-            "decoder": None if fast is None else f"fast-{fast.dtype}-{type(fast.layers[0].down).__name__}"}
+            "decoder": None if fast is None else f"fast-{fast.dtype}-{type(fast.layers[0].down).__name__}",
+            # and its glue and attention: cpu_kernels.c, or PyTorch operations
+            "kernels": None if fast is None or fast.kernels is None else fast.kernels.version}
 
 
 def _sync(target):
