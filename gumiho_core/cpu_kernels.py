@@ -25,8 +25,10 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
-FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11"]
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.c", "int4_amx.c")]
+# -fopenmp: the library asks for libgomp.so.1, which in a process that imported torch is
+# PyTorch's own (loaded first, same name): the kernels' threads are PyTorch's threads.
+FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11", "-fopenmp"]
 
 
 P, LONG, INT, FLOAT = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
@@ -44,6 +46,19 @@ class CpuKernels:
         self._add_rms_norm = self._typed("add_rms_norm", None, P, P, P, INT, INT, FLOAT, P)
         self._rotate_and_store = self._typed("rotate_and_store", None, P, P, P, INT, INT, INT, INT, LONG, INT,
                                              P, P, P)
+        self._int4_matmul = self._typed("int4_matmul", INT, P, INT, INT, P, P, INT, P)
+        # AMX: where the CPU has it and Linux grants this process its tile state.
+        self.amx = _cpu_has("amx_bf16") and _cpu_has("avx512_bf16") and self.library.amx_enable() == 0
+
+    def int4_matmul(self, x: torch.Tensor, nibbles: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """x (m, k) bfloat16 contiguous @ the weights in int4_amx.c's layout (nibbles (n / 16, k / 32,
+        256) uint8, scales (n / 16, k / 32, 2, 16) bfloat16). Returns (m, n) bfloat16. AMX only."""
+        m, k = x.shape
+        n = nibbles.shape[0] * 16
+        y = torch.empty(m, n, dtype=torch.bfloat16)
+        if self._int4_matmul(x.data_ptr(), m, k, nibbles.data_ptr(), scales.data_ptr(), n, y.data_ptr()):
+            raise RuntimeError(f"int4_matmul refused a {k} -> {n} product (k a multiple of 32, n of 16)")
+        return y
 
     def _typed(self, name: str, result, *arguments):
         function = getattr(self.library, name)
@@ -108,7 +123,7 @@ def load() -> tuple[CpuKernels | None, str]:
 def _build(compiler: str) -> Path:
     from .target import cache_dir  # the project's one cache folder
 
-    source = SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in SOURCES)
     key = hashlib.sha256(source + " ".join([compiler, *FLAGS, _cpu_id()]).encode()).hexdigest()[:16]
     library = cache_dir() / "kernels" / f"cpu_kernels-{key}.so"
     if library.exists():
@@ -117,10 +132,14 @@ def _build(compiler: str) -> Path:
     # Built beside its final name and renamed: processes starting together never load half a file.
     with tempfile.TemporaryDirectory(dir=library.parent) as work:
         built = Path(work) / library.name
-        subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE)], check=True, capture_output=True,
-                       timeout=120)
+        subprocess.run([compiler, *FLAGS, "-o", str(built), *map(str, SOURCES)], check=True,
+                       capture_output=True, timeout=120)
         os.replace(built, library)
     return library
+
+
+def _cpu_has(flag: str) -> bool:
+    return flag in _cpu_id().split()
 
 
 def _cpu_id() -> str:
