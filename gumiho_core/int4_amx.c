@@ -3,16 +3,21 @@
 
    Why: PyTorch's int4 CPU kernel converts the weights to float for every 4 rows of x, so a
    pass over 11 tree rows cost 3.8x a one-token pass (SmolLM2-135M, 2 cores) and trees barely
-   paid. Here each 16 x 32 block of weights is turned into bfloat16 once and multiplied with
-   up to 16 rows at a time by one AMX instruction: more rows cost almost nothing more.
+   paid. Here the 4-bit weights go to AMX's integer unit as they are (split into bytes), and
+   one instruction multiplies a 32-input group of 16 outputs with up to 16 rows of x: more
+   rows cost little more. x is quantized for it, as llama.cpp does (Q4_1 x Q8_1): each row's
+   group of 32 becomes int8 with its own scale (round(x / s), s = max |x| / 127), so
+   sum(w * x) = scale * s * sum(q * xq) + low * sum(x), the last sum taken from x itself.
 
-   Every output element is the same sum in the same order whatever the number of rows: AMX
-   computes each row of a tile alone, and the blocks are accumulated in input order (tested).
+   Every output element is the same sum in the same order whatever the number of rows: each
+   row is quantized alone, AMX computes each row of a tile alone, and the groups are added
+   in input order (tested).
 
-   Weight layout, chosen at load (quantize.py): for each block of 16 outputs and each group,
-   the 16 x 32 tile AMX reads (row p holds, for outputs 0..15, inputs 2p and 2p + 1 side by
-   side) as 16 rows of 16 bytes: byte i holds element i in its low nibble and element i + 16
-   in its high one. Scales and lows: bfloat16, (output blocks, groups, 2, 16). */
+   Weight layout, chosen at load (quantize.amx_layout): for each block of 16 outputs and each
+   group, the 32 x 16 block as AMX's int8 tile reads it (8 rows; row p holds, for outputs
+   0..15, inputs 4p .. 4p + 3 side by side: element 64 p + 4 out + i) in 256 bytes, byte j
+   holding element j in its low nibble and element j + 256 in its high one. Scales and lows:
+   bfloat16, (output blocks, groups, 2, 16). */
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
@@ -21,11 +26,17 @@
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
-#define AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
+#define AMX __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512bf16,avx512vnni")))
 
-/* Linux hands out AMX's tile state only to a process that asks. 0 when granted. */
-int amx_enable(void) {
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : -1;
+extern int int4_amx_rows;
+
+/* Linux hands out AMX's tile state only to a process that asks. 0 when granted: from then on
+   blocks of `from_rows` rows or more take AMX (measured on SmolLM2-135M's layers, 2 cores:
+   VNNI is as fast up to 8 rows, AMX from 9 on). */
+int amx_enable(int from_rows) {
+    if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0) return -1;
+    int4_amx_rows = from_rows;
+    return 0;
 }
 
 struct tile_config {
@@ -34,16 +45,17 @@ struct tile_config {
     uint8_t rows[16];
 };
 
-/* Tile 0: the output block (rows x 16 floats); 1: x's rows at one group (rows x 32 bf16);
-   2: one weight block in bfloat16 (16 x 32). */
+/* Tile 0: one group's int32 sums (rows x 16 outputs); 1: the rows' quantized group (rows x 32
+   int8); 2: the weights' group (32 inputs x 16 outputs, as 8 rows of 64 bytes). */
 AMX static void configure(int rows) {
     struct tile_config config;
     memset(&config, 0, sizeof config);
     config.palette = 1;
     config.rows[0] = rows, config.colsb[0] = 64;
-    config.rows[1] = rows, config.colsb[1] = 64;
-    config.rows[2] = 16, config.colsb[2] = 64;
-    config.rows[3] = 16, config.colsb[3] = 64;
+    config.rows[1] = rows, config.colsb[1] = 32;
+    config.rows[2] = 8, config.colsb[2] = 64;
+    config.rows[3] = rows, config.colsb[3] = 64;  /* tiles 3 and 4: a second output block */
+    config.rows[4] = 8, config.colsb[4] = 64;
     _tile_loadconfig(&config);
 }
 
@@ -51,68 +63,143 @@ AMX static inline __m512 bf16_to_ps(__m256i h) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-/* One 16 x 32 weight block in bfloat16, in the tile's pair layout, into `tile` (1 KB). */
-AMX static void unpack_block(const uint8_t *nibbles, const uint16_t *scale_and_low, uint16_t *tile) {
-    __m512 scale = bf16_to_ps(_mm256_loadu_si256((const __m256i *)scale_and_low));
-    __m512 low = bf16_to_ps(_mm256_loadu_si256((const __m256i *)(scale_and_low + 16)));
-    /* element j of a row is output j / 2: the first 16 elements are outputs 0..7, the next 8..15 */
-    __m512i first = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-    __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
-    __m512 scale_a = _mm512_permutexvar_ps(first, scale), scale_b = _mm512_permutexvar_ps(second, scale);
-    __m512 low_a = _mm512_permutexvar_ps(first, low), low_b = _mm512_permutexvar_ps(second, low);
-    __m512i mask = _mm512_set1_epi32(15);
-    for (int p = 0; p < 16; p++) {
-        __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(nibbles + 16 * p)));
-        __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, mask)), scale_a, low_a);
-        __m512 b = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), scale_b, low_b);
-        _mm512_storeu_si512((void *)(tile + 32 * p), (__m512i)_mm512_cvtne2ps_pbh(b, a));
+/* One row of x (k bfloat16) as int8 groups of 32: quantized values (rounded to nearest
+   even), each group's scale and the sum of its unquantized values. */
+AMX static void quantize_row(const uint16_t *x, int k, int8_t *q, float *scale, float *sum) {
+    __m512 sign = _mm512_set1_ps(-0.0f);
+    for (int g = 0; g < k / 32; g++) {
+        __m512 a = bf16_to_ps(_mm256_loadu_si256((const __m256i *)(x + 32 * g)));
+        __m512 b = bf16_to_ps(_mm256_loadu_si256((const __m256i *)(x + 32 * g + 16)));
+        float biggest = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, a), _mm512_andnot_ps(sign, b)));
+        float lanes[16];
+        _mm512_storeu_ps(lanes, _mm512_add_ps(a, b));
+        float total = 0.0f;  /* the 16 lane sums in a fixed order */
+        for (int i = 0; i < 16; i++) total += lanes[i];
+        __m512 inverse = _mm512_set1_ps(biggest > 0 ? 127.0f / biggest : 0.0f);
+        _mm_storeu_si128((__m128i *)(q + 32 * g), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(a, inverse))));
+        _mm_storeu_si128((__m128i *)(q + 32 * g + 16), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(b, inverse))));
+        scale[g] = biggest / 127.0f, sum[g] = total;
     }
 }
 
-/* y (m, n) = x (m, k) @ W.T, all bfloat16; k a multiple of 32, n of 16. Blocks of 16 rows x 16
-   outputs are shared out among OpenMP's threads (PyTorch's own, where linked with it); each
-   block is computed by one thread, in one order. */
+/* One group's 16 x 32 weights from nibbles to bytes, in the tile's layout (8 rows of 64). */
+AMX static inline void unpack_group(const uint8_t *nibbles, __m512i rows[8]) {
+    __m512i mask = _mm512_set1_epi8(15);
+    for (int c = 0; c < 4; c++) {
+        __m512i v = _mm512_loadu_si512((const void *)(nibbles + 64 * c));
+        rows[c] = _mm512_and_si512(v, mask);
+        rows[4 + c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+    }
+}
+
+/* A group's exact int32 sums (16 outputs of one row) into the row's float sums: the one
+   place the float arithmetic happens, whichever unit computed the integers. */
+AMX static inline __m512 add_group(__m512 acc, __m512i sums, __m512 scale, __m512 low, float x_scale,
+                                   float x_sum) {
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(scale, _mm512_set1_ps(x_scale)), acc);
+    return _mm512_fmadd_ps(low, _mm512_set1_ps(x_sum), acc);
+}
+
+/* The quantized rows, their groups' scales and sums. */
+struct rows_q8 {
+    const int8_t *q;
+    const float *scale, *sum;
+    int k, groups;
+};
+
+/* 16 outputs (block nb) of `rows` rows from r0, with AVX512-VNNI: the few-row passes. */
+AMX static void block_vnni(const struct rows_q8 *x, int r0, int rows, const uint8_t *weights,
+                           const uint16_t *scales, int nb, __m512 *acc) {
+    for (int g = 0; g < x->groups; g++) {
+        long at = (long)nb * x->groups + g;
+        __m512i w[8];
+        unpack_group(weights + at * 256, w);
+        __m512 scale = bf16_to_ps(_mm256_loadu_si256((const __m256i *)(scales + at * 32)));
+        __m512 low = bf16_to_ps(_mm256_loadu_si256((const __m256i *)(scales + at * 32 + 16)));
+        for (int r = 0; r < rows; r++) {
+            const int32_t *xq = (const int32_t *)(x->q + (long)(r0 + r) * x->k + 32 * g);
+            __m512i sums = _mm512_setzero_si512();
+            for (int p = 0; p < 8; p++) sums = _mm512_dpbusd_epi32(sums, w[p], _mm512_set1_epi32(xq[p]));
+            long rg = (long)(r0 + r) * x->groups + g;
+            acc[r] = add_group(acc[r], sums, scale, low, x->scale[rg], x->sum[rg]);
+        }
+    }
+}
+
+/* The same with AMX, two blocks of 16 outputs (nb, nb + 1) at once: one tile instruction per
+   group and block for up to 16 rows; the two blocks' instructions are independent, so one
+   runs while the other's sums are read back. */
+AMX static void blocks_amx(const struct rows_q8 *x, int r0, int rows, const uint8_t *weights,
+                           const uint16_t *scales, int nb, __m512 *acc, __m512 *acc_next) {
+    uint8_t tiles[2][512] __attribute__((aligned(64)));
+    int32_t sums[2][16 * 16] __attribute__((aligned(64)));
+    for (int g = 0; g < x->groups; g++) {
+        long at = (long)nb * x->groups + g, next = at + x->groups;
+        __m512i w[8];
+        unpack_group(weights + at * 256, w);
+        for (int p = 0; p < 8; p++) _mm512_store_si512((void *)(tiles[0] + 64 * p), w[p]);
+        unpack_group(weights + next * 256, w);
+        for (int p = 0; p < 8; p++) _mm512_store_si512((void *)(tiles[1] + 64 * p), w[p]);
+        _tile_zero(0);
+        _tile_zero(3);
+        _tile_loadd(1, x->q + (long)r0 * x->k + g * 32, x->k);
+        _tile_loadd(2, tiles[0], 64);
+        _tile_loadd(4, tiles[1], 64);
+        _tile_dpbsud(0, 1, 2);
+        _tile_dpbsud(3, 1, 4);
+        _tile_stored(0, sums[0], 64);
+        _tile_stored(3, sums[1], 64);
+        for (int b = 0; b < 2; b++) {
+            long block = b ? next : at;
+            __m512 scale = bf16_to_ps(_mm256_loadu_si256((const __m256i *)(scales + block * 32)));
+            __m512 low = bf16_to_ps(_mm256_loadu_si256((const __m256i *)(scales + block * 32 + 16)));
+            __m512 *into = b ? acc_next : acc;
+            for (int r = 0; r < rows; r++) {
+                long rg = (long)(r0 + r) * x->groups + g;
+                __m512i row_sums = _mm512_load_si512((const void *)(sums[b] + 16 * r));
+                into[r] = add_group(into[r], row_sums, scale, low, x->scale[rg], x->sum[rg]);
+            }
+        }
+    }
+}
+
+/* y (m, n) = x (m, k) @ W.T, x and y bfloat16; k a multiple of 32, n of 16. Blocks of 16 rows
+   x 16 outputs are shared out among OpenMP's threads (PyTorch's own: see cpu_kernels.py);
+   each block is computed by one thread. A block of fewer than AMX_ROWS rows takes VNNI, the
+   rest AMX: both sum integers exactly, so a row's bits are the same either way.
+   work: m * k + 8 * m * k / 32 bytes. */
+int int4_amx_rows = 1 << 30;  /* no AMX until amx_enable grants it */
+
 AMX int int4_matmul(const uint16_t *x, int m, int k, const uint8_t *weights, const uint16_t *scales, int n,
-                    uint16_t *y) {
+                    uint16_t *y, uint8_t *work) {
     if (k % 32 || n % 16) return -1;
     int groups = k / 32, output_blocks = n / 16, row_blocks = (m + 15) / 16;
+    struct rows_q8 q = { (int8_t *)work, (float *)(work + (long)m * k), (float *)(work + (long)m * k) + (long)m * groups,
+                         k, groups };
+    for (int r = 0; r < m; r++)
+        quantize_row(x + (long)r * k, k, (int8_t *)q.q + (long)r * k, (float *)q.scale + (long)r * groups,
+                     (float *)q.sum + (long)r * groups);
+    int pairs = (output_blocks + 1) / 2;  /* jobs of two output blocks (the last may be one) */
     #pragma omp parallel
     {
-        uint16_t tile[2][16 * 32] __attribute__((aligned(64)));
-        float block[16 * 16] __attribute__((aligned(64)));
         int configured = 0;
         #pragma omp for schedule(static)
-        for (int job = 0; job < row_blocks * output_blocks; job++) {
-            int r0 = job / output_blocks * 16, nb = job % output_blocks;
+        for (int job = 0; job < row_blocks * pairs; job++) {
+            int r0 = job / pairs * 16, nb = job % pairs * 2, both = nb + 1 < output_blocks;
             int rows = m - r0 < 16 ? m - r0 : 16;
-            if (rows != configured) configure(rows), configured = rows;
-            _tile_zero(0);
-            /* Two weight buffers and tiles in turn: unpacking one block overlaps the product
-               of the one before. Groups are still added in input order. */
-            const uint8_t *w = weights + (long)nb * groups * 256;
-            const uint16_t *s = scales + (long)nb * groups * 32, *a = x + (long)r0 * k;
-            int g = 0;
-            for (; g + 1 < groups; g += 2) {
-                unpack_block(w + g * 256, s + g * 32, tile[0]);
-                unpack_block(w + (g + 1) * 256, s + (g + 1) * 32, tile[1]);
-                _tile_loadd(2, tile[0], 64);
-                _tile_loadd(1, a + g * 32, k * 2);
-                _tile_dpbf16ps(0, 1, 2);
-                _tile_loadd(3, tile[1], 64);
-                _tile_loadd(1, a + (g + 1) * 32, k * 2);
-                _tile_dpbf16ps(0, 1, 3);
+            __m512 acc[2][16];
+            for (int r = 0; r < rows; r++) acc[0][r] = acc[1][r] = _mm512_setzero_ps();
+            if (rows < int4_amx_rows || !both) {
+                for (int b = 0; b <= both; b++) block_vnni(&q, r0, rows, weights, scales, nb + b, acc[b]);
+            } else {
+                if (rows != configured) configure(rows), configured = rows;
+                blocks_amx(&q, r0, rows, weights, scales, nb, acc[0], acc[1]);
             }
-            if (g < groups) {
-                unpack_block(w + g * 256, s + g * 32, tile[0]);
-                _tile_loadd(2, tile[0], 64);
-                _tile_loadd(1, a + g * 32, k * 2);
-                _tile_dpbf16ps(0, 1, 2);
-            }
-            _tile_stored(0, block, 64);
-            for (int r = 0; r < rows; r++) {
-                __m256i out = (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(block + 16 * r));
-                _mm256_storeu_si256((__m256i *)(y + (long)(r0 + r) * n + nb * 16), out);
-            }
+            for (int b = 0; b <= both; b++)
+                for (int r = 0; r < rows; r++) {
+                    __m256i out = (__m256i)_mm512_cvtneps_pbh(acc[b][r]);
+                    _mm256_storeu_si256((__m256i *)(y + (long)(r0 + r) * n + (nb + b) * 16), out);
+                }
         }
         if (configured) _tile_release();
     }
