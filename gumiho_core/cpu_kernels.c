@@ -117,36 +117,39 @@ int tree_attention(const uint16_t *q, long q_row_stride, const float *keys, cons
                    long capacity, int n, int heads, int kv_heads, int d, int start,
                    const uint8_t *ancestors, float scale, uint16_t *out) {
     if (d % 16 || d > 256 || heads % kv_heads) return -1;
-    int rep = heads / kv_heads;
-    int32_t *slots = malloc(sizeof(int32_t) * (size_t)(start + n));
-    float *scores = malloc(sizeof(float) * MAX_GROUP * (size_t)(start + n + 16));
-    if (!slots || !scores) { free(slots); free(scores); return -1; }
-    for (int j = 0; j < start; j++) slots[j] = j;
-    float qf[MAX_GROUP * 256];
-    for (int r = 0; r < n; r++) {
-        int count = start;
-        for (int a = 0; a < n; a++)
-            if (ancestors[(long)r * n + a]) slots[count++] = start + a;
-        for (int h0 = 0; h0 < heads; h0 += MAX_GROUP) {
-            int kv = h0 / rep, group = rep - h0 % rep;  /* heads h0 .. h0 + group share KV head kv */
-            group = group < MAX_GROUP ? group : MAX_GROUP;
-            for (int g = 0; g < group; g++) {
-                const uint16_t *qh = q + r * q_row_stride + (long)(h0 + g) * d;
-                for (int i = 0; i < d; i++) qf[g * d + i] = from_bf16(qh[i]) * scale;
-            }
+    int rep = heads / kv_heads, failed = 0;
+    /* (row, KV head) pairs shared out among OpenMP's threads; each pair computed by one. */
+    #pragma omp parallel if ((long)n * kv_heads * (start + n) >= 512)
+    {
+        int32_t *slots = malloc(sizeof(int32_t) * (size_t)(start + n));
+        float *scores = malloc(sizeof(float) * MAX_GROUP * (size_t)(start + n + 16));
+        float qf[MAX_GROUP * 256];
+        for (int j = 0; slots && j < start; j++) slots[j] = j;
+        #pragma omp for schedule(static)
+        for (int job = 0; job < n * kv_heads; job++) {
+            if (!slots || !scores) { failed = 1; continue; }
+            int r = job / kv_heads, kv = job % kv_heads, count = start;
+            for (int a = 0; a < n; a++)
+                if (ancestors[(long)r * n + a]) slots[count++] = start + a;
             long head_offset = (long)kv * capacity * d;
-            uint16_t *o = out + ((long)r * heads + h0) * d;
             const float *k = keys + head_offset, *v = values + head_offset;
-            if (d == 64)  /* the usual head size, unrolled by the compiler */
-                attend_group(qf, group, k, v, slots, count, 64, scores, o);
-            else
-                attend_group(qf, group, k, v, slots, count, d, scores, o);
-            h0 += group - MAX_GROUP;  /* the loop adds MAX_GROUP */
+            for (int h0 = kv * rep; h0 < (kv + 1) * rep; h0 += MAX_GROUP) {
+                int group = (kv + 1) * rep - h0 < MAX_GROUP ? (kv + 1) * rep - h0 : MAX_GROUP;
+                for (int g = 0; g < group; g++) {
+                    const uint16_t *qh = q + r * q_row_stride + (long)(h0 + g) * d;
+                    for (int i = 0; i < d; i++) qf[g * d + i] = from_bf16(qh[i]) * scale;
+                }
+                uint16_t *o = out + ((long)r * heads + h0) * d;
+                if (d == 64)  /* the usual head size, unrolled by the compiler */
+                    attend_group(qf, group, k, v, slots, count, 64, scores, o);
+                else
+                    attend_group(qf, group, k, v, slots, count, d, scores, o);
+            }
         }
+        free(slots);
+        free(scores);
     }
-    free(slots);
-    free(scores);
-    return 0;
+    return failed ? -1 : 0;
 }
 
 /* x (n, dim) bfloat16, plus y (n, dim) when y is not NULL (rounded once, in place: the

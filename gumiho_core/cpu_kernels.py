@@ -25,14 +25,14 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.c", "int4_amx.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.c", "groupwise_matmul.c")]
 # -fopenmp: the library asks for libgomp.so.1, which in a process that imported torch is
 # PyTorch's own (loaded first, same name): the kernels' threads are PyTorch's threads.
 FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11", "-fopenmp"]
 
 
 P, LONG, INT, FLOAT = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
-AMX_FROM_ROWS = 9  # int4 products of fewer rows take VNNI (int4_amx.c): the same bits, less work
+AMX_FROM_ROWS = 9  # products of fewer rows take VNNI (groupwise_matmul.c): the same bits, less work
 
 
 class CpuKernels:
@@ -47,22 +47,23 @@ class CpuKernels:
         self._add_rms_norm = self._typed("add_rms_norm", None, P, P, P, INT, INT, FLOAT, P)
         self._rotate_and_store = self._typed("rotate_and_store", None, P, P, P, INT, INT, INT, INT, LONG, INT,
                                              P, P, P)
-        self._int4_matmul = self._typed("int4_matmul", INT, P, INT, INT, P, P, INT, P, P)
-        # int4_amx.c runs on AVX512-VNNI with bfloat16 conversions, and on AMX for many rows
-        # where the CPU has it and Linux grants this process its tile state.
-        self.int4 = _cpu_has("avx512_vnni") and _cpu_has("avx512_bf16")
-        self.amx = self.int4 and _cpu_has("amx_int8") and self.library.amx_enable(AMX_FROM_ROWS) == 0
+        self._groupwise_matmul = self._typed("groupwise_matmul", INT, P, INT, INT, P, INT, P, INT, P, P)
+        # groupwise_matmul.c runs on AVX512-VNNI with bfloat16 conversions, and on AMX for many
+        # rows where the CPU has it and Linux grants this process its tile state.
+        self.groupwise = _cpu_has("avx512_vnni") and _cpu_has("avx512_bf16")
+        self.amx = self.groupwise and _cpu_has("amx_int8") and self.library.amx_enable(AMX_FROM_ROWS) == 0
 
-    def int4_matmul(self, x: torch.Tensor, nibbles: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        """x (m, k) bfloat16 contiguous @ the weights in int4_amx.c's layout (nibbles (n / 16, k / 32,
-        256) uint8, scales (n / 16, k / 32, 2, 16) bfloat16). Returns (m, n) bfloat16. Where `int4`."""
+    def groupwise_matmul(self, x: torch.Tensor, weights: torch.Tensor, bits: int, scales: torch.Tensor) -> torch.Tensor:
+        """x (m, k) bfloat16 contiguous @ weights in groupwise_matmul.c's layout ((n / 16, k / 32,
+        32 * bits) uint8; scales and lows (n / 16, k / 32, 2, 16) bfloat16). Returns (m, n)
+        bfloat16. Where `groupwise`."""
         m, k = x.shape
-        n = nibbles.shape[0] * 16
+        n = weights.shape[0] * 16
         y = torch.empty(m, n, dtype=torch.bfloat16)
         work = torch.empty(m * k + 8 * m * (k // 32), dtype=torch.uint8)  # x quantized, its scales and sums
-        if self._int4_matmul(x.data_ptr(), m, k, nibbles.data_ptr(), scales.data_ptr(), n, y.data_ptr(),
-                             work.data_ptr()):
-            raise RuntimeError(f"int4_matmul refused a {k} -> {n} product (k a multiple of 32, n of 16)")
+        if self._groupwise_matmul(x.data_ptr(), m, k, weights.data_ptr(), bits, scales.data_ptr(), n,
+                                  y.data_ptr(), work.data_ptr()):
+            raise RuntimeError(f"groupwise_matmul refused a {k} -> {n} product (k a multiple of 32, n of 16)")
         return y
 
     def _typed(self, name: str, result, *arguments):

@@ -1,4 +1,4 @@
-"""Weight precision of the fast decoder, applied once at load time through PyTorch's own kernels.
+"""Weight precision of the fast decoder, applied once at load time.
 
 A small model's decoding pass is bound by reading its weights: SmolLM2-135M is 540 MB in
 float32, read once per pass. Weight-only quantization stores them smaller and multiplies
@@ -6,9 +6,12 @@ with activations in bfloat16 (the CPU's AVX512-BF16 / AMX units; a GPU's tensor 
 - "int8": one int8 per weight, one scale per output row (`aten._weight_int8pack_mm`, the
   kernel gpt-fast's int8 mode uses); 4x less to read than float32;
 - "int4": 4-bit weights in groups of 32 along the input, each group with its own scale and
-  offset (`aten._weight_int4pack_mm_for_cpu` / `_weight_int4pack_mm` on CUDA). This is the
-  layout of the default GGUF's Q4_1 blocks (4-bit, asymmetric, groups of 32): quantizing the
-  weights that file de-quantized to recovers its own grid;
+  offset. This is the layout of the default GGUF's Q4_1 blocks (4-bit, asymmetric, groups
+  of 32): quantizing the weights that file de-quantized to recovers its own grid. On a CPU
+  with AVX512-VNNI the products run on groupwise_matmul.c (`GroupwiseLinear`: activations
+  quantized to int8 per group of 32, as llama.cpp's Q4_1 x Q8_1; the lm_head 8-bit the same
+  way); elsewhere on PyTorch's `_weight_int4pack_mm_for_cpu` / `_weight_int4pack_mm` (CUDA)
+  with bfloat16 activations and an int8 lm_head;
 - "bfloat16": the weights halved in size, no quantization, re-laid out once for oneDNN
   (cpu_matmul.PackedBF16Linear): on AMX a 16-row product costs ~1.25x a 1-row one, where the
   int8 / int4 kernels' cost grows with every 4 rows - the precision in which trees pay most;
@@ -50,34 +53,19 @@ class Int8WeightOnlyLinear(nn.Module):
 
 
 class Int4WeightOnlyLinear(nn.Module):
-    """4-bit weights in groups of 32 inputs, each group w = q * scale + low, q in 0..15.
-
-    Where the CPU has AVX512-VNNI (and AMX for many rows), the product runs on int4_amx.c,
-    with the activations quantized to int8 per group of 32 as llama.cpp does: a pass over 16
-    tree rows costs ~2.5x a one-row pass, where PyTorch's int4 kernel (used elsewhere,
-    bfloat16 activations) costs ~5x."""
+    """4-bit weights in groups of 32 inputs, each group w = (q - 8) * scale + zero, on
+    PyTorch's kernels (bfloat16 activations): where GroupwiseLinear's kernels do not run."""
 
     def __init__(self, linear: nn.Linear, group: int = INT4_GROUP):
         super().__init__()
-        w = linear.weight.detach().float()
-        out_features, in_features = w.shape
-        groups = w.reshape(out_features, in_features // group, group)
-        low, high = groups.amin(-1), groups.amax(-1)
-        scales = ((high - low) / 15).clamp(min=1e-12)
-        q = torch.round((groups - low[..., None]) / scales[..., None]).clamp(0, 15).to(torch.int32)
-        q = q.reshape(out_features, in_features)
-        self.on_cuda = w.is_cuda  # not `cuda`: that is nn.Module's own method
-        self.kernels = _int4_kernels() if not self.on_cuda and out_features % 16 == 0 else None
-        if self.kernels is not None:
-            nibbles, scales_and_lows = amx_layout(q, scales, low)
-        else:
-            # PyTorch's kernels read w = (q - 8) * scale + zero, so zero = low + 8 * scale.
-            nibbles = self._pack(q)
-            scales_and_lows = torch.stack([scales, low + 8 * scales], dim=-1).transpose(0, 1).contiguous()
-        self.register_buffer("weight", nibbles)
-        self.register_buffer("scales_and_zeros", scales_and_lows.to(torch.bfloat16))
+        q, scales, low = quantize_groups(linear.weight, bits=4)
+        # The kernel reads w = (q - 8) * scale + zero, so zero = low + 8 * scale.
+        scales_and_zeros = torch.stack([scales, low + 8 * scales], dim=-1).transpose(0, 1).contiguous()
+        self.on_cuda = q.is_cuda  # not `cuda`: that is nn.Module's own method
+        self.register_buffer("weight", self._pack(q))
+        self.register_buffer("scales_and_zeros", scales_and_zeros.to(torch.bfloat16))
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().bfloat16(), False)
-        self.out_features, self.group = out_features, group
+        self.out_features, self.group = q.shape[0], group
 
     def _pack(self, q: torch.Tensor) -> torch.Tensor:
         if self.on_cuda:
@@ -87,9 +75,7 @@ class Int4WeightOnlyLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        if self.kernels is not None:
-            y = self.kernels.int4_matmul(rows.contiguous(), self.weight, self.scales_and_zeros)
-        elif self.on_cuda:
+        if self.on_cuda:
             y = torch.ops.aten._weight_int4pack_mm(rows, self.weight, self.group, self.scales_and_zeros)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.weight, self.group, self.scales_and_zeros)
@@ -97,23 +83,61 @@ class Int4WeightOnlyLinear(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
-def amx_layout(q: torch.Tensor, scales: torch.Tensor, lows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """int4_amx.c's layout of q (out, in) in 0..15 and per-group scales / lows (out, in / 32):
-    (nibbles (out / 16, in / 32, 256) uint8, scales and lows (out / 16, in / 32, 2, 16))."""
+class GroupwiseLinear(nn.Module):
+    """4- or 8-bit weights in groups of 32 inputs, w = q * scale + low, on groupwise_matmul.c
+    (AVX512-VNNI, AMX for many rows), activations quantized to int8 per group of 32 as
+    llama.cpp does: a pass over 16 tree rows costs ~2.5x a one-row pass, where PyTorch's int4
+    kernel costs ~5x."""
+
+    def __init__(self, linear: nn.Linear, bits: int, kernels):
+        super().__init__()
+        q, scales, low = quantize_groups(linear.weight, bits)
+        weights, scales_and_lows = groupwise_layout(q, scales, low, bits)
+        self.kernels, self.bits = kernels, bits
+        self.register_buffer("weight", weights)
+        self.register_buffer("scales_and_lows", scales_and_lows.to(torch.bfloat16))
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().bfloat16(), False)
+        self.out_features = q.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        y = self.kernels.groupwise_matmul(rows, self.weight, self.bits, self.scales_and_lows)
+        y = y if self.bias is None else y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+def quantize_groups(weight: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q (out, in) int32 in 0 .. 2^bits - 1, scales, lows (out, in / 32)): w ~ q * scale + low."""
+    w = weight.detach().float()
+    groups = w.reshape(w.shape[0], w.shape[1] // INT4_GROUP, INT4_GROUP)
+    low, high = groups.amin(-1), groups.amax(-1)
+    levels = 2**bits - 1
+    scales = ((high - low) / levels).clamp(min=1e-12)
+    q = torch.round((groups - low[..., None]) / scales[..., None]).clamp(0, levels).to(torch.int32)
+    return q.reshape(w.shape), scales, low
+
+
+def groupwise_layout(q: torch.Tensor, scales: torch.Tensor, lows: torch.Tensor,
+                     bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """groupwise_matmul.c's layout of q (out, in) and per-group scales / lows (out, in / 32):
+    (weights (out / 16, in / 32, 32 * bits) uint8, scales and lows (out / 16, in / 32, 2, 16))."""
     blocks, groups = q.shape[0] // 16, q.shape[1] // INT4_GROUP
     # A group's tile row p holds, for outputs 0..15, inputs 4p .. 4p + 3: element 64 p + 4 out + i.
     tile = q.view(blocks, 16, groups, 8, 4).permute(0, 2, 3, 1, 4).reshape(blocks, groups, 512)
-    nibbles = (tile[..., :256] | tile[..., 256:] << 4).to(torch.uint8)
+    weights = tile if bits == 8 else tile[..., :256] | tile[..., 256:] << 4
     per_block = [t.view(blocks, 16, groups).transpose(1, 2) for t in (scales, lows)]
-    return nibbles.contiguous(), torch.stack(per_block, dim=2).contiguous()
+    return weights.to(torch.uint8).contiguous(), torch.stack(per_block, dim=2).contiguous()
 
 
-def _int4_kernels():
-    """cpu_kernels where their int4 product runs (AVX512-VNNI, AMX), else None: PyTorch's kernel."""
+def _groupwise_kernels(linear: nn.Linear):
+    """cpu_kernels where groupwise_matmul.c runs this layer (a CPU with AVX512-VNNI, sizes in
+    whole groups and blocks), else None."""
     from .cpu_kernels import load
 
+    if linear.weight.device.type != "cpu" or linear.in_features % INT4_GROUP or linear.out_features % 16:
+        return None
     kernels, _ = load()
-    return kernels if kernels is not None and kernels.int4 else None
+    return kernels if kernels is not None and kernels.groupwise else None
 
 
 def check_precision(precision: str, device: str = "cpu") -> None:
@@ -133,11 +157,10 @@ def convert_layer(layer: nn.Module, precision: str) -> nn.Module:
         return layer
     if precision != "bfloat16":
         # Quantized from the float32 weights, before anything is rounded to bfloat16.
-        layer_type = Int8WeightOnlyLinear if precision == "int8" else Int4WeightOnlyLinear
         for parent in list(layer.modules()):
             for name, child in list(parent.named_children()):
                 if type(child) is nn.Linear and _quantizable(child, precision):
-                    setattr(parent, name, layer_type(child))
+                    setattr(parent, name, _quantized(child, precision))
     layer.to(torch.bfloat16)  # norms, biases, layers left unquantized: bfloat16 activations
     if _on_cpu(layer):
         use_fast_cpu_layouts(layer)  # bfloat16 products on oneDNN's pre-packed weights
@@ -152,7 +175,15 @@ def convert_output(linear: nn.Linear, precision: str) -> nn.Module:
         return fast_linear(linear) if _on_cpu(linear) else linear
     if precision == "bfloat16":
         return fast_linear(linear.to(torch.bfloat16))
-    return Int8WeightOnlyLinear(linear)
+    kernels = _groupwise_kernels(linear) if precision == "int4" else None
+    return Int8WeightOnlyLinear(linear) if kernels is None else GroupwiseLinear(linear, 8, kernels)
+
+
+def _quantized(linear: nn.Linear, precision: str) -> nn.Module:
+    if precision == "int8":
+        return Int8WeightOnlyLinear(linear)
+    kernels = _groupwise_kernels(linear)
+    return GroupwiseLinear(linear, 4, kernels) if kernels is not None else Int4WeightOnlyLinear(linear)
 
 
 def _quantizable(linear: nn.Linear, precision: str) -> bool:

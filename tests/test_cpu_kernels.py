@@ -88,3 +88,49 @@ def test_a_broken_compiler_is_one_line_not_a_traceback(monkeypatch, tmp_path):
         assert built is None and why.startswith("building cpu_kernels.c failed") and "\n" not in why
     finally:
         cpu_kernels.load.cache_clear()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_groupwise_products_are_row_invariant_and_close_to_the_float_product(kernels, bits):
+    """groupwise_matmul.c: each row alone gives the bits it gets among 1-40 rows (one-token
+    passes, trees, a prefill's blocks of 16), and the product is the de-quantized weights'
+    within int8 activations' rounding."""
+    from gumiho_core.quantize import GroupwiseLinear, quantize_groups
+
+    if not kernels.groupwise:
+        pytest.skip("this CPU has no AVX512-VNNI / AVX512-BF16")
+    torch.manual_seed(bits)
+    linear = torch.nn.Linear(576, 960, bias=False)
+    layer = GroupwiseLinear(linear, bits, kernels)
+    x = torch.randn(40, 576).bfloat16()
+    together = layer(x)
+    for rows in (1, 3, 8, 9, 16, 17):
+        assert torch.equal(layer(x[:rows]), together[:rows]), rows
+    for r in range(40):
+        assert torch.equal(layer(x[r : r + 1]), together[r : r + 1]), r
+    q, scales, lows = quantize_groups(linear.weight, bits)
+    weights = (q.view(960, 18, 32) * scales.bfloat16().float()[..., None] + lows.bfloat16().float()[..., None])
+    reference = x.float() @ weights.view(960, 576).t()
+    assert ((together.float() - reference).norm() / reference.norm()) < 0.02
+
+
+def test_vnni_and_amx_give_the_same_bits(kernels):
+    """Few rows take VNNI, many AMX: both sum the integers exactly."""
+    import ctypes
+
+    from gumiho_core.quantize import GroupwiseLinear
+
+    if not kernels.amx:
+        pytest.skip("this CPU or kernel gives no AMX")
+    layer = GroupwiseLinear(torch.nn.Linear(1536, 576, bias=False), 4, kernels)
+    x = torch.randn(16, 1536).bfloat16()
+    threshold = ctypes.c_int.in_dll(kernels.library, "amx_from_rows")
+    saved = threshold.value
+    try:
+        threshold.value = 1
+        on_amx = layer(x)
+        threshold.value = 1 << 30
+        on_vnni = layer(x)
+    finally:
+        threshold.value = saved
+    assert torch.equal(on_amx, on_vnni)

@@ -1,23 +1,24 @@
-/* 4-bit weight-only products on Intel AMX: y = x @ W.T for W in groups of 32 inputs, each
-   group w = q * scale + low (q in 0..15), x and y bfloat16. Built with cpu_kernels.c.
+/* Weight-only products with 4- or 8-bit weights in groups of 32 inputs, on AVX512-VNNI and
+   Intel AMX: y = x @ W.T, each group w = q * scale + low (q in 0..15 or 0..255), x and y
+   bfloat16. Built with cpu_kernels.c (cpu_kernels.py).
 
    Why: PyTorch's int4 CPU kernel converts the weights to float for every 4 rows of x, so a
    pass over 11 tree rows cost 3.8x a one-token pass (SmolLM2-135M, 2 cores) and trees barely
-   paid. Here the 4-bit weights go to AMX's integer unit as they are (split into bytes), and
-   one instruction multiplies a 32-input group of 16 outputs with up to 16 rows of x: more
-   rows cost little more. x is quantized for it, as llama.cpp does (Q4_1 x Q8_1): each row's
-   group of 32 becomes int8 with its own scale (round(x / s), s = max |x| / 127), so
+   paid. Here the weights go to the CPU's integer dot-product units as bytes: VNNI for a few
+   rows, AMX (one instruction: a group of 16 outputs with up to 16 rows) for many. x is
+   quantized for it, as llama.cpp does (Q4_1 x Q8_1): each row's group of 32 becomes int8 with
+   its own scale (round(x / s), s = max |x| / 127), and
    sum(w * x) = scale * s * sum(q * xq) + low * sum(x), the last sum taken from x itself.
 
    Every output element is the same sum in the same order whatever the number of rows: each
-   row is quantized alone, AMX computes each row of a tile alone, and the groups are added
-   in input order (tested).
+   row is quantized alone, the integer sums are exact (VNNI and AMX agree), and one float
+   step adds each group's sum, in input order (tested).
 
-   Weight layout, chosen at load (quantize.amx_layout): for each block of 16 outputs and each
-   group, the 32 x 16 block as AMX's int8 tile reads it (8 rows; row p holds, for outputs
-   0..15, inputs 4p .. 4p + 3 side by side: element 64 p + 4 out + i) in 256 bytes, byte j
-   holding element j in its low nibble and element j + 256 in its high one. Scales and lows:
-   bfloat16, (output blocks, groups, 2, 16). */
+   Weight layout, chosen at load (quantize.groupwise_layout): for each block of 16 outputs and
+   each group, the 32 x 16 block as AMX's int8 tile reads it (8 rows; row p holds, for outputs
+   0..15, inputs 4p .. 4p + 3 side by side: element 64 p + 4 out + i): 512 bytes in 8 bits;
+   256 in 4 bits, byte j holding element j in its low nibble and element j + 256 in its high
+   one. Scales and lows: bfloat16, (output blocks, groups, 2, 16). */
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
@@ -28,14 +29,14 @@
 #define XFEATURE_XTILEDATA 18
 #define AMX __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512bf16,avx512vnni")))
 
-extern int int4_amx_rows;
+extern int amx_from_rows;
 
 /* Linux hands out AMX's tile state only to a process that asks. 0 when granted: from then on
    blocks of `from_rows` rows or more take AMX (measured on SmolLM2-135M's layers, 2 cores:
    VNNI is as fast up to 8 rows, AMX from 9 on). */
 int amx_enable(int from_rows) {
     if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0) return -1;
-    int4_amx_rows = from_rows;
+    amx_from_rows = from_rows;
     return 0;
 }
 
@@ -82,8 +83,14 @@ AMX static void quantize_row(const uint16_t *x, int k, int8_t *q, float *scale, 
     }
 }
 
-/* One group's 16 x 32 weights from nibbles to bytes, in the tile's layout (8 rows of 64). */
-AMX static inline void unpack_group(const uint8_t *nibbles, __m512i rows[8]) {
+/* One group's 16 x 32 weights as bytes, in the tile's layout (8 rows of 64): 8-bit weights
+   as they lie (512 bytes a group), 4-bit ones split from their nibbles (256 bytes). */
+AMX static inline void unpack_group(const uint8_t *weights, int bits, long at, __m512i rows[8]) {
+    if (bits == 8) {
+        for (int p = 0; p < 8; p++) rows[p] = _mm512_loadu_si512((const void *)(weights + at * 512 + 64 * p));
+        return;
+    }
+    const uint8_t *nibbles = weights + at * 256;
     __m512i mask = _mm512_set1_epi8(15);
     for (int c = 0; c < 4; c++) {
         __m512i v = _mm512_loadu_si512((const void *)(nibbles + 64 * c));
@@ -104,7 +111,7 @@ AMX static inline __m512 add_group(__m512 acc, __m512i sums, __m512 scale, __m51
 struct rows_q8 {
     const int8_t *q;
     const float *scale, *sum;
-    int k, groups;
+    int k, groups, bits;  /* bits: of the weights, 4 or 8 */
 };
 
 /* 16 outputs (block nb) of `rows` rows from r0, with AVX512-VNNI: the few-row passes. */
@@ -113,7 +120,7 @@ AMX static void block_vnni(const struct rows_q8 *x, int r0, int rows, const uint
     for (int g = 0; g < x->groups; g++) {
         long at = (long)nb * x->groups + g;
         __m512i w[8];
-        unpack_group(weights + at * 256, w);
+        unpack_group(weights, x->bits, at, w);
         __m512 scale = bf16_to_ps(_mm256_loadu_si256((const __m256i *)(scales + at * 32)));
         __m512 low = bf16_to_ps(_mm256_loadu_si256((const __m256i *)(scales + at * 32 + 16)));
         for (int r = 0; r < rows; r++) {
@@ -136,9 +143,9 @@ AMX static void blocks_amx(const struct rows_q8 *x, int r0, int rows, const uint
     for (int g = 0; g < x->groups; g++) {
         long at = (long)nb * x->groups + g, next = at + x->groups;
         __m512i w[8];
-        unpack_group(weights + at * 256, w);
+        unpack_group(weights, x->bits, at, w);
         for (int p = 0; p < 8; p++) _mm512_store_si512((void *)(tiles[0] + 64 * p), w[p]);
-        unpack_group(weights + next * 256, w);
+        unpack_group(weights, x->bits, next, w);
         for (int p = 0; p < 8; p++) _mm512_store_si512((void *)(tiles[1] + 64 * p), w[p]);
         _tile_zero(0);
         _tile_zero(3);
@@ -168,14 +175,14 @@ AMX static void blocks_amx(const struct rows_q8 *x, int r0, int rows, const uint
    each block is computed by one thread. A block of fewer than AMX_ROWS rows takes VNNI, the
    rest AMX: both sum integers exactly, so a row's bits are the same either way.
    work: m * k + 8 * m * k / 32 bytes. */
-int int4_amx_rows = 1 << 30;  /* no AMX until amx_enable grants it */
+int amx_from_rows = 1 << 30;  /* no AMX until amx_enable grants it */
 
-AMX int int4_matmul(const uint16_t *x, int m, int k, const uint8_t *weights, const uint16_t *scales, int n,
-                    uint16_t *y, uint8_t *work) {
-    if (k % 32 || n % 16) return -1;
+AMX int groupwise_matmul(const uint16_t *x, int m, int k, const uint8_t *weights, int bits, const uint16_t *scales,
+                    int n, uint16_t *y, uint8_t *work) {
+    if (k % 32 || n % 16 || (bits != 4 && bits != 8)) return -1;
     int groups = k / 32, output_blocks = n / 16, row_blocks = (m + 15) / 16;
     struct rows_q8 q = { (int8_t *)work, (float *)(work + (long)m * k), (float *)(work + (long)m * k) + (long)m * groups,
-                         k, groups };
+                         k, groups, bits };
     for (int r = 0; r < m; r++)
         quantize_row(x + (long)r * k, k, (int8_t *)q.q + (long)r * k, (float *)q.scale + (long)r * groups,
                      (float *)q.sum + (long)r * groups);
@@ -189,7 +196,7 @@ AMX int int4_matmul(const uint16_t *x, int m, int k, const uint8_t *weights, con
             int rows = m - r0 < 16 ? m - r0 : 16;
             __m512 acc[2][16];
             for (int r = 0; r < rows; r++) acc[0][r] = acc[1][r] = _mm512_setzero_ps();
-            if (rows < int4_amx_rows || !both) {
+            if (rows < amx_from_rows || !both) {
                 for (int b = 0; b <= both; b++) block_vnni(&q, r0, rows, weights, scales, nb + b, acc[b]);
             } else {
                 if (rows != configured) configure(rows), configured = rows;
