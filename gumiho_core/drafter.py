@@ -30,6 +30,7 @@ from .cpu_matmul import pack_for_rows
 from .draft_guard import DraftGuard
 from .draft_tree import DraftTree, build_draft_tree
 from .heads import DraftVocabProjection, GumihoHeads
+from .quantize import drafting_copy
 from .settings import GenerationSettings, TreeSettings
 
 
@@ -97,7 +98,8 @@ class GumihoDrafter(Drafter):
 
     def __init__(self, target, heads: GumihoHeads):
         self.target, self.heads = target, heads
-        self.projection = DraftVocabProjection(target.lm_head, heads.draft_vocab, heads.dtype)
+        self.projection = DraftVocabProjection(target.lm_head, heads.draft_vocab, heads.dtype,
+                                               layout=lambda rows: drafting_copy(rows, target))
         self.cache = heads.new_cache()
         # The context at the cache's last read: draft position i read token i+1 with target
         # feature i. Kept as a tensor, turned into a list only when a generation begins.

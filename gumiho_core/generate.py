@@ -22,12 +22,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .cpu_matmul import fast_cpu_copy
 from .draft_tree import DraftTree
 from .drafter import Drafter, DraftStep, GumihoDrafter, PlainDrafter, common_prefix_length
 from .errors import ContextTooLong, GumihoError
 from .events import DoneEvent, GenerationStats, StepEvent, TokenPiece
 from .heads import GumihoHeads
+from .quantize import drafting_copy
 from .sampling import TokenChooser
 from .settings import GenerationSettings
 from .verify import TargetPasses, accept
@@ -111,7 +111,7 @@ class Engine:
 
     def __init__(self, target, heads: GumihoHeads | None = None):
         self.target = target
-        self.heads = None if heads is None else fast_cpu_copy(heads)  # see cpu_matmul.py
+        self.heads = None if heads is None else drafting_copy(heads, target)  # quantize.py
         self.lock = threading.Lock()  # one generation at a time: caches are per call, compute is not
         self.prefix: PrefixState | None = None
         self.drafter: Drafter = PlainDrafter() if heads is None else GumihoDrafter(target, self.heads)

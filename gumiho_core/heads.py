@@ -277,8 +277,9 @@ class DraftVocabProjection:
     tokens (or the whole lm_head, shared, when the heads draft over every token).
     """
 
-    def __init__(self, lm_head: nn.Module, token_ids: torch.Tensor | None = None, dtype=None):
-        """dtype: the draft rows' precision (the heads'); default the lm_head's."""
+    def __init__(self, lm_head: nn.Module, token_ids: torch.Tensor | None = None, dtype=None, layout=fast_linear):
+        """dtype: the draft rows' precision (the heads'); default the lm_head's. layout: the
+        draft rows' layer from an nn.Linear (default cpu_matmul's fast layout)."""
         self.token_ids = token_ids
         self.dtype = lm_head.weight.dtype if token_ids is None else (dtype or lm_head.weight.dtype)
         self.project = lm_head  # the full vocabulary: the target's own lm_head as it is
@@ -289,7 +290,7 @@ class DraftVocabProjection:
             rows.weight.data = lm_head.weight.detach()[token_ids].to(self.dtype).contiguous()
             if bias is not None:
                 rows.bias.data = bias.detach()[token_ids].to(self.dtype)
-            self.project = fast_linear(rows.requires_grad_(False))  # our own layer: no copy needed
+            self.project = layout(rows.requires_grad_(False))  # our own layer: no copy needed
 
     def log_probs(self, x: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax(self.project(x.to(self.dtype)).float(), dim=-1)

@@ -23,10 +23,12 @@ output still equals plain output of the same precision (docs/fast_decoder.md: ro
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn as nn
 
-from .cpu_matmul import bf16_packing_available, fast_linear, use_fast_cpu_layouts
+from .cpu_matmul import bf16_packing_available, fast_cpu_copy, fast_linear, use_fast_cpu_layouts
 from .errors import GumihoError
 
 PRECISIONS = ("float32", "bfloat16", "int8", "int4")
@@ -196,3 +198,23 @@ def _quantizable(linear: nn.Linear, precision: str) -> bool:
 
 def _on_cpu(module: nn.Module) -> bool:
     return next(module.parameters()).device.type == "cpu"
+
+
+def drafting_copy(module: nn.Module, target) -> nn.Module:
+    """An inference copy of draft layers (the heads, the draft vocabulary's rows of the lm_head)
+    for drafting beside `target`. Where the target's int4 passes run on groupwise_matmul.c,
+    their linear layers go 8-bit groupwise there too: a draft step's products cost about half
+    of oneDNN's bfloat16 ones, and drafting's arithmetic only changes what is proposed, never
+    what is accepted. Elsewhere cpu_matmul's fast layouts (fast_cpu_copy)."""
+    fast = getattr(target, "fast", None)
+    kernels = getattr(getattr(fast, "lm_head", None), "kernels", None)
+    if kernels is None:
+        return fast_cpu_copy(module)
+    if type(module) is nn.Linear:
+        return GroupwiseLinear(module, 8, kernels) if _groupwise_kernels(module) else fast_cpu_copy(module)
+    module = copy.deepcopy(module)
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear and _groupwise_kernels(child):
+                setattr(parent, name, GroupwiseLinear(child, 8, kernels))
+    return fast_cpu_copy(module)  # what is left (sizes not in whole groups) in the fast layouts

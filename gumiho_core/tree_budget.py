@@ -149,7 +149,8 @@ def choose_tree(engine: Engine, use_cache: bool = True, log=None) -> tuple[TreeS
     """The tree that maximises expected tokens/s here. Returns (settings, report)."""
     heads = engine.heads
     fingerprint = float(sum(p.double().sum() for p in heads.parameters())) if heads is not None else 0.0
-    key = {**_machine_key(engine.target), "heads": fingerprint, "depths": list(DEPTHS),
+    layers = sorted({type(m).__name__ for m in heads.modules()}) if heads is not None else []
+    key = {**_machine_key(engine.target), "heads": fingerprint, "draft_layers": layers, "depths": list(DEPTHS),
            "calibration": [CALIBRATION_PROMPTS, CALIBRATION_TOKENS]}  # a new calibration must not reuse an old choice
     path = _cache_file("choice", key)
     if use_cache and path.is_file():
