@@ -47,7 +47,7 @@ class CpuKernels:
         self._add_rms_norm = self._typed("add_rms_norm", None, P, P, P, INT, INT, FLOAT, P)
         self._rotate_and_store = self._typed("rotate_and_store", None, P, P, P, INT, INT, INT, INT, LONG, INT,
                                              P, P, P)
-        self._groupwise_matmul = self._typed("groupwise_matmul", INT, P, INT, INT, P, INT, P, INT, P, P)
+        self._groupwise_matmul = self._typed("groupwise_matmul", INT, P, INT, INT, P, INT, P, INT, P)
         # groupwise_matmul.c runs on AVX512-VNNI with bfloat16 conversions, and on AMX for many
         # rows where the CPU has it and Linux grants this process its tile state.
         self.groupwise = _cpu_has("avx512_vnni") and _cpu_has("avx512_bf16")
@@ -60,10 +60,9 @@ class CpuKernels:
         m, k = x.shape
         n = weights.shape[0] * 16
         y = torch.empty(m, n, dtype=torch.bfloat16)
-        work = torch.empty(m * k + 8 * m * (k // 32), dtype=torch.uint8)  # x quantized, its scales and sums
-        if self._groupwise_matmul(x.data_ptr(), m, k, weights.data_ptr(), bits, scales.data_ptr(), n,
-                                  y.data_ptr(), work.data_ptr()):
-            raise RuntimeError(f"groupwise_matmul refused a {k} -> {n} product (k a multiple of 32, n of 16)")
+        if self._groupwise_matmul(x.data_ptr(), m, k, weights.data_ptr(), bits, scales.data_ptr(), n, y.data_ptr()):
+            raise RuntimeError(f"groupwise_matmul refused a {k} -> {n} product (k a multiple of 32, n of 16) "
+                               "or found no memory")
         return y
 
     def _typed(self, name: str, result, *arguments):

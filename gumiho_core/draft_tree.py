@@ -204,7 +204,7 @@ def _mlp_depths(heads, embed, projection, pool: _Candidates, beams: _Beams, sett
                 serial_depth: int, mlp_depths: int) -> None:
     """The later depths at once from the MLP heads; each keeps the best `pruning` candidates."""
     u_next = heads.fc_input(embed(beams.tokens), beams.producer)  # u_{s+1} per beam
-    predicted = heads.parallel(torch.cat([beams.parent_input, u_next], dim=-1))[:mlp_depths]
+    predicted = heads.parallel(torch.cat([beams.parent_input, u_next], dim=-1), mlp_depths)
     logp = projection.log_probs(predicted)  # (D, k, V)
     top = torch.topk(logp, settings.mlp_topk, dim=-1)
     frontier_nodes = beams.nodes

@@ -21,6 +21,7 @@
    one. Scales and lows: bfloat16, (output blocks, groups, 2, 16). */
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -174,13 +175,15 @@ AMX static void blocks_amx(const struct rows_q8 *x, int r0, int rows, const uint
    x 16 outputs are shared out among OpenMP's threads (PyTorch's own: see cpu_kernels.py);
    each block is computed by one thread. A block of fewer than AMX_ROWS rows takes VNNI, the
    rest AMX: both sum integers exactly, so a row's bits are the same either way.
-   work: m * k + 8 * m * k / 32 bytes. */
+   Returns 0, or -1 for sizes it does not take or no memory. */
 int amx_from_rows = 1 << 30;  /* no AMX until amx_enable grants it */
 
 AMX int groupwise_matmul(const uint16_t *x, int m, int k, const uint8_t *weights, int bits, const uint16_t *scales,
-                    int n, uint16_t *y, uint8_t *work) {
+                    int n, uint16_t *y) {
     if (k % 32 || n % 16 || (bits != 4 && bits != 8)) return -1;
     int groups = k / 32, output_blocks = n / 16, row_blocks = (m + 15) / 16;
+    uint8_t *work = malloc((size_t)m * k + 8 * (size_t)m * groups);  /* x quantized, its scales and sums */
+    if (!work) return -1;
     struct rows_q8 q = { (int8_t *)work, (float *)(work + (long)m * k), (float *)(work + (long)m * k) + (long)m * groups,
                          k, groups, bits };
     for (int r = 0; r < m; r++)
@@ -210,5 +213,6 @@ AMX int groupwise_matmul(const uint16_t *x, int m, int k, const uint8_t *weights
         }
         if (configured) _tile_release();
     }
+    free(work);
     return 0;
 }

@@ -254,9 +254,10 @@ class GumihoHeads(nn.Module):
             x = layer(x, cos, sin, mask, cache)
         return x
 
-    def parallel(self, u_pair: torch.Tensor) -> torch.Tensor:
-        """MLP heads on [u_s, u_{s+1}] (..., 2H) -> (num_mlp_heads, ..., H)."""
-        return torch.stack([head(u_pair) for head in self.mlp_heads])
+    def parallel(self, u_pair: torch.Tensor, count: int | None = None) -> torch.Tensor:
+        """The first `count` MLP heads (default all) on [u_s, u_{s+1}] (..., 2H) -> (count, ..., H).
+        A shallow draft tree asks for few: each head is six products of its own."""
+        return torch.stack([head(u_pair) for head in self.mlp_heads[:count]])
 
 
 def with_draft_vocab(heads: GumihoHeads, token_ids) -> GumihoHeads:
