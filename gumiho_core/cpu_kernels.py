@@ -47,20 +47,22 @@ class CpuKernels:
         self._add_rms_norm = self._typed("add_rms_norm", None, P, P, P, INT, INT, FLOAT, P)
         self._rotate_and_store = self._typed("rotate_and_store", None, P, P, P, INT, INT, INT, INT, LONG, INT,
                                              P, P, P)
-        self._groupwise_matmul = self._typed("groupwise_matmul", INT, P, INT, INT, P, INT, P, INT, P)
+        self._groupwise_matmul = self._typed("groupwise_matmul", INT, P, INT, INT, P, INT, P, INT, P, INT)
         # groupwise_matmul.c runs on AVX512-VNNI with bfloat16 conversions, and on AMX for many
         # rows where the CPU has it and Linux grants this process its tile state.
         self.groupwise = _cpu_has("avx512_vnni") and _cpu_has("avx512_bf16")
         self.amx = self.groupwise and _cpu_has("amx_int8") and self.library.amx_enable(AMX_FROM_ROWS) == 0
 
-    def groupwise_matmul(self, x: torch.Tensor, weights: torch.Tensor, bits: int, scales: torch.Tensor) -> torch.Tensor:
+    def groupwise_matmul(self, x: torch.Tensor, weights: torch.Tensor, bits: int, scales: torch.Tensor,
+                         dtype=torch.bfloat16) -> torch.Tensor:
         """x (m, k) bfloat16 contiguous @ weights in groupwise_matmul.c's layout ((n / 16, k / 32,
-        32 * bits) uint8; scales and lows (n / 16, k / 32, 2, 16) bfloat16). Returns (m, n)
-        bfloat16. Where `groupwise`."""
+        32 * bits) uint8; scales and lows (n / 16, k / 32, 2, 16) bfloat16). Returns (m, n) in
+        `dtype`, bfloat16 or float32. Where `groupwise`."""
         m, k = x.shape
         n = weights.shape[0] * 16
-        y = torch.empty(m, n, dtype=torch.bfloat16)
-        if self._groupwise_matmul(x.data_ptr(), m, k, weights.data_ptr(), bits, scales.data_ptr(), n, y.data_ptr()):
+        y = torch.empty(m, n, dtype=dtype)
+        if self._groupwise_matmul(x.data_ptr(), m, k, weights.data_ptr(), bits, scales.data_ptr(), n, y.data_ptr(),
+                                  dtype == torch.float32):
             raise RuntimeError(f"groupwise_matmul refused a {k} -> {n} product (k a multiple of 32, n of 16) "
                                "or found no memory")
         return y

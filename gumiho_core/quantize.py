@@ -91,13 +91,16 @@ class GroupwiseLinear(nn.Module):
     llama.cpp does: a pass over 16 tree rows costs ~2.5x a one-row pass, where PyTorch's int4
     kernel costs ~5x."""
 
-    def __init__(self, linear: nn.Linear, bits: int, kernels):
+    def __init__(self, linear: nn.Linear, bits: int, kernels, out_dtype=torch.bfloat16):
+        """out_dtype float32: outputs as the kernel sums them (the lm_head: logits rounded to
+        bfloat16 tie at a spacing of 0.125 around 25, and greedy decoding would pick among
+        ties by token id)."""
         super().__init__()
         # A few thousand outputs at a time: the float32 and int32 copies of a whole lm_head
         # (49k x 576) would add ~0.5 GB to the chat's peak memory at load.
         parts = [groupwise_layout(*quantize_groups(rows, bits), bits) for rows in linear.weight.detach().split(2048)]
         weights, scales_and_lows = (torch.cat(column) for column in zip(*parts))
-        self.kernels, self.bits = kernels, bits
+        self.kernels, self.bits, self.out_dtype = kernels, bits, out_dtype
         self.register_buffer("weight", weights)
         self.register_buffer("scales_and_lows", scales_and_lows.to(torch.bfloat16))
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().bfloat16(), False)
@@ -105,9 +108,9 @@ class GroupwiseLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.is_contiguous() and self.bias is None:  # the decoder's layers: no reshaping
-            return self.kernels.groupwise_matmul(x, self.weight, self.bits, self.scales_and_lows)
+            return self.kernels.groupwise_matmul(x, self.weight, self.bits, self.scales_and_lows, self.out_dtype)
         rows = x.reshape(-1, x.shape[-1]).contiguous()
-        y = self.kernels.groupwise_matmul(rows, self.weight, self.bits, self.scales_and_lows)
+        y = self.kernels.groupwise_matmul(rows, self.weight, self.bits, self.scales_and_lows, self.out_dtype)
         y = y if self.bias is None else y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
 
@@ -182,7 +185,7 @@ def convert_output(linear: nn.Linear, precision: str) -> nn.Module:
     if precision == "bfloat16":
         return fast_linear(linear.to(torch.bfloat16))
     kernels = _groupwise_kernels(linear) if precision == "int4" else None
-    return Int8WeightOnlyLinear(linear) if kernels is None else GroupwiseLinear(linear, 8, kernels)
+    return Int8WeightOnlyLinear(linear) if kernels is None else GroupwiseLinear(linear, 8, kernels, torch.float32)
 
 
 def _quantized(linear: nn.Linear, precision: str) -> nn.Module:

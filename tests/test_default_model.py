@@ -94,7 +94,9 @@ def test_the_default_engine_runs_on_the_fast_decoder_alone():
     assert note == "shipped" and target.fast is not None
     assert (target.fast.precision, draft_tree_for(engine)) == expected
     assert not target.transformers_layers and len(target.model.base_model.layers) == 0
-    ids = target.chat_prompt([{"role": "user", "content": PROMPTS[0]}])
-    assert "Paris" in run_to_end(engine, ids, GenerationSettings(max_new_tokens=12)).text
+    # A question whose answer does not hang on a near-tie: for "What is the capital of
+    # France?" float32's first token is "The" by 25.33 to "L" 25.24, and int4 goes either way.
+    ids = target.chat_prompt([{"role": "user", "content": "What is the capital city of Japan?"}])
+    assert "Tokyo" in run_to_end(engine, ids, GenerationSettings(max_new_tokens=12)).text
     with pytest.raises(GumihoError, match="transformers' layers released"):
         run_target(target, None, torch.tensor(ids), torch.arange(len(ids)))
