@@ -1,15 +1,18 @@
-"""The fast decoder's own CPU kernel (cpu_kernels.c), compiled once per machine and loaded.
+"""The engine's own CPU kernels (cpu_kernels.c, groupwise_matmul.c), compiled once per machine.
 
-A one-token pass of the default model spent about a quarter of its time in attention's
-small PyTorch operations (~20 a layer, each microseconds of dispatch around a little
-arithmetic). cpu_kernels.c does the same attention in one call per layer, and computes each
-row alone, so its result does not depend on the other rows of the pass (what lossless
+A one-token pass of the default model spent more than half its time in small PyTorch
+operations (~60 a layer, each microseconds of dispatch around a little arithmetic), and
+PyTorch's int4 kernel cost grew with every 4 rows of a tree. cpu_kernels.c does a layer's
+norms, rotary positions with the cache writes, and attention in one call each, computing
+each row alone, so its result does not depend on the other rows of the pass (what lossless
 decoding in bfloat16 needs; blocked_attention.py is the pure-PyTorch way to the same end).
+groupwise_matmul.c does the 4- and 8-bit products on the CPU's integer units (quantize.py's
+GroupwiseLinear). docs/fast_decoder.md has the measurements.
 
-It is built with the machine's C compiler (`cc -O3 -march=native`, under a second) into the
-cache folder, keyed by the source and the CPU, on first use. Where no compiler is found the
-decoder keeps blocked_attention.py, with a one-line note; `GUMIHO_NATIVE_KERNELS=0` asks for
-that path on purpose (tests compare the two).
+They are built with the machine's C compiler (`cc -O3 -march=native -fopenmp`, under a
+second) into the cache folder, keyed by the sources and the CPU, on first use. Where no
+compiler is found the decoder keeps PyTorch's kernels and blocked_attention.py, with a
+one-line note; `GUMIHO_NATIVE_KERNELS=0` asks for that path on purpose (tests compare the two).
 """
 from __future__ import annotations
 
@@ -29,7 +32,6 @@ SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.c", "groupwi
 # -fopenmp: the library asks for libgomp.so.1, which in a process that imported torch is
 # PyTorch's own (loaded first, same name): the kernels' threads are PyTorch's threads.
 FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11", "-fopenmp"]
-
 
 P, LONG, INT, FLOAT = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 AMX_FROM_ROWS = 9  # products of fewer rows take VNNI (groupwise_matmul.c): the same bits, less work
@@ -116,15 +118,19 @@ def load() -> tuple[CpuKernels | None, str]:
     """(the kernels, "") or (None, why not): compiled on first use, then read from the cache."""
     if os.environ.get("GUMIHO_NATIVE_KERNELS", "1") == "0":
         return None, "GUMIHO_NATIVE_KERNELS=0"
-    if platform.machine() not in ("x86_64", "AMD64", "aarch64", "arm64"):
-        return None, f"no kernel build for {platform.machine()}"
+    if platform.machine() not in ("x86_64", "AMD64"):  # the kernels use x86 vector instructions
+        return None, f"the engine's CPU kernels are built for x86-64, not {platform.machine()}: PyTorch's run"
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        return None, "no C compiler found (cc / gcc): attention stays in PyTorch operations"
+        return None, "no C compiler found (cc / gcc): the fast decoder runs on PyTorch's kernels, slower"
     try:
         return CpuKernels(_build(compiler)), ""
-    except (OSError, subprocess.CalledProcessError) as exc:
-        return None, f"building cpu_kernels.c failed ({str(exc).splitlines()[0]}): attention stays in PyTorch"
+    except subprocess.CalledProcessError as exc:
+        error = next((line for line in (exc.stderr or b"").decode(errors="replace").splitlines() if "error" in line),
+                     f"{compiler} exited with {exc.returncode}")
+        return None, f"building the CPU kernels failed ({error.strip()}): the fast decoder runs on PyTorch's kernels"
+    except OSError as exc:
+        return None, f"building the CPU kernels failed ({exc}): the fast decoder runs on PyTorch's kernels"
 
 
 def _build(compiler: str) -> Path:

@@ -85,7 +85,7 @@ def test_a_broken_compiler_is_one_line_not_a_traceback(monkeypatch, tmp_path):
     cpu_kernels.load.cache_clear()
     try:
         built, why = cpu_kernels.load()
-        assert built is None and why.startswith("building cpu_kernels.c failed") and "\n" not in why
+        assert built is None and why.startswith("building the CPU kernels failed") and "\n" not in why
     finally:
         cpu_kernels.load.cache_clear()
 
@@ -134,3 +134,20 @@ def test_vnni_and_amx_give_the_same_bits(kernels):
     finally:
         threshold.value = saved
     assert torch.equal(on_amx, on_vnni)
+
+
+def test_an_int4_decoder_runs_its_products_on_the_kernels(kernels):
+    """Where groupwise_matmul.c runs, the int4 layers and the 8-bit lm_head (float32 logits)
+    are on it, so the engine's lossless tests in int4 exercise it."""
+    from gumiho_core.quantize import GroupwiseLinear
+    from gumiho_core.target import attach_fast_decoder
+    from tiny import tiny_target
+
+    if not kernels.groupwise:
+        pytest.skip("this CPU has no AVX512-VNNI / AVX512-BF16")
+    decoder = attach_fast_decoder(tiny_target(seed=0, eos=False), "int4").fast
+    assert all(type(layer.qkv) is GroupwiseLinear and layer.qkv.bits == 4 for layer in decoder.layers)
+    assert type(decoder.lm_head) is GroupwiseLinear and decoder.lm_head.bits == 8
+    with torch.inference_mode():
+        logits = decoder.logits(decoder(torch.tensor([3, 4, 5]), torch.arange(3), decoder.new_cache()))
+    assert logits.dtype == torch.float32

@@ -218,3 +218,20 @@ def test_a_decoder_that_discards_the_originals_decodes_the_same(precision):
     settings = GenerationSettings(max_new_tokens=30, speculative=False)
     assert run_to_end(Engine(target, None), prompt, settings).token_ids == \
         run_to_end(Engine(kept, None), prompt, settings).token_ids
+
+
+def test_without_the_cpu_kernels_int4_runs_on_pytorch_and_stays_lossless(monkeypatch):
+    """No C compiler (or GUMIHO_NATIVE_KERNELS=0): PyTorch's int4 and int8 kernels and blocked
+    attention, the same event stream, speculative == plain."""
+    from gumiho_core import cpu_kernels
+
+    monkeypatch.setattr(cpu_kernels, "load", lambda: (None, "no C compiler found"))
+    target = fast_target("int4", attention="pytorch")
+    decoder = target.fast
+    assert decoder.kernels is None and decoder.kernels_note == "no C compiler found"
+    assert type(decoder.layers[0].qkv) is Int4WeightOnlyLinear and type(decoder.lm_head) is Int8WeightOnlyLinear
+    engine = Engine(target, new_heads(target))
+    prompt = random_prompts(1, seed=11)[0]
+    spec = run_to_end(engine, prompt, GenerationSettings(max_new_tokens=40, tree=TREE), reuse_prefix=False)
+    plain = run_to_end(engine, prompt, GenerationSettings(max_new_tokens=40, speculative=False), reuse_prefix=False)
+    assert spec.token_ids == plain.token_ids
