@@ -12,7 +12,8 @@
    matters under bfloat16).
 
    Layout: queries bfloat16 (rows strided by q_row_stride elements, heads by d); one layer's
-   cache keys and values float32 (kv_heads, capacity, d); the output bfloat16 (n, heads * d). */
+   cache keys and values bfloat16 (kv_heads, capacity, d); the output bfloat16 (n, heads * d).
+   Sums are float32 throughout. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -32,6 +33,15 @@ static inline uint16_t to_bf16(float f) {  /* round to nearest even, as PyTorch 
 }
 
 static inline v16 load16(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
+
+/* 16 bfloat16 values widened to float (exact: a bfloat16 is a float's upper half). */
+typedef uint16_t v16h __attribute__((vector_size(32)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+static inline v16 load16_bf16(const uint16_t *p) {
+    v16h h;
+    memcpy(&h, p, sizeof h);
+    return (v16)(__builtin_convertvector(h, v16u) << 16);
+}
 static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
 static inline v16 splat(float x) { return (v16){0} + x; }
 
@@ -69,7 +79,7 @@ static inline v16 exp16(v16 x) {
 /* Query heads sharing one KV head (q: group x d floats, already scaled), each over the keys
    at slots[0..count): every key is read once for the group; each head's arithmetic is its
    own, the same for any group size. scores: room for group x (count + 16). */
-static inline __attribute__((always_inline)) void attend_group(const float *q, int group, const float *keys, const float *values,
+static inline __attribute__((always_inline)) void attend_group(const float *q, int group, const uint16_t *keys, const uint16_t *values,
                          const int32_t *slots, int count, int d, float *scores, uint16_t *out) {
     int chunks = d / 16, stride = count + 16;
     v16 qv[MAX_GROUP][16], acc[MAX_GROUP][16];
@@ -79,10 +89,10 @@ static inline __attribute__((always_inline)) void attend_group(const float *q, i
         best[g] = -3.0e38f;
     }
     for (int j = 0; j < count; j++) {
-        const float *k = keys + (long)slots[j] * d;
+        const uint16_t *k = keys + (long)slots[j] * d;
         for (int g = 0; g < group; g++) {
-            v16 dot = qv[g][0] * load16(k);
-            for (int c = 1; c < chunks; c++) dot += qv[g][c] * load16(k + 16 * c);
+            v16 dot = qv[g][0] * load16_bf16(k);
+            for (int c = 1; c < chunks; c++) dot += qv[g][c] * load16_bf16(k + 16 * c);
             float score = lane_sum(dot);
             scores[g * stride + j] = score;
             best[g] = score > best[g] ? score : best[g];
@@ -96,11 +106,11 @@ static inline __attribute__((always_inline)) void attend_group(const float *q, i
         for (int c = 0; c < chunks; c++) acc[g][c] = splat(0.0f);
     }
     for (int j = 0; j < count; j++) {
-        const float *v = values + (long)slots[j] * d;
+        const uint16_t *v = values + (long)slots[j] * d;
         for (int g = 0; g < group; g++) {
             float weight = scores[g * stride + j];
             total[g] += weight;
-            for (int c = 0; c < chunks; c++) acc[g][c] += splat(weight) * load16(v + 16 * c);
+            for (int c = 0; c < chunks; c++) acc[g][c] += splat(weight) * load16_bf16(v + 16 * c);
         }
     }
     for (int g = 0; g < group; g++) {
@@ -113,7 +123,7 @@ static inline __attribute__((always_inline)) void attend_group(const float *q, i
 /* n rows at cache slots start .. start + n; row r sees the cache before `start` and the rows
    a with ancestors[r * n + a] != 0 (itself included; rows are numbered in depth order).
    Returns 0, or -1 when d is not a multiple of 16 up to 256 or memory runs out. */
-int tree_attention(const uint16_t *q, long q_row_stride, const float *keys, const float *values,
+int tree_attention(const uint16_t *q, long q_row_stride, const uint16_t *keys, const uint16_t *values,
                    long capacity, int n, int heads, int kv_heads, int d, int start,
                    const uint8_t *ancestors, float scale, uint16_t *out) {
     if (d % 16 || d > 256 || heads % kv_heads) return -1;
@@ -132,7 +142,7 @@ int tree_attention(const uint16_t *q, long q_row_stride, const float *keys, cons
             for (int a = 0; a < n; a++)
                 if (ancestors[(long)r * n + a]) slots[count++] = start + a;
             long head_offset = (long)kv * capacity * d;
-            const float *k = keys + head_offset, *v = values + head_offset;
+            const uint16_t *k = keys + head_offset, *v = values + head_offset;
             for (int h0 = kv * rep; h0 < (kv + 1) * rep; h0 += MAX_GROUP) {
                 int group = (kv + 1) * rep - h0 < MAX_GROUP ? (kv + 1) * rep - h0 : MAX_GROUP;
                 for (int g = 0; g < group; g++) {
@@ -175,10 +185,10 @@ void add_rms_norm(uint16_t *x, const uint16_t *y, const uint16_t *weight, int n,
 /* Rotary positions (transformers' half-split layout) on the queries and keys of a fused
    q/k/v output, qkv (n, heads + 2 kv_heads, d) bfloat16, with cos / sin (n, d) float32.
    Rotated queries go to q_out (n, heads, d) bfloat16; keys (rotated, rounded to bfloat16)
-   and values to one layer's cache (kv_heads, capacity, d) float32 at slots start .. start + n. */
+   and values to one layer's cache (kv_heads, capacity, d) bfloat16 at slots start .. start + n. */
 void rotate_and_store(const uint16_t *qkv, const float *cos, const float *sin, int n, int heads,
-                      int kv_heads, int d, long capacity, int start, uint16_t *q_out, float *keys,
-                      float *values) {
+                      int kv_heads, int d, long capacity, int start, uint16_t *q_out, uint16_t *keys,
+                      uint16_t *values) {
     int half = d / 2;
     for (int r = 0; r < n; r++) {
         const float *c = cos + (long)r * d, *s = sin + (long)r * d;
@@ -192,11 +202,11 @@ void rotate_and_store(const uint16_t *qkv, const float *cos, const float *sin, i
             if (h < heads) {
                 for (int i = 0; i < d; i++) q_out[((long)r * heads + h) * d + i] = to_bf16(rotated[i]);
             } else if (h < heads + kv_heads) {
-                float *k = keys + ((long)(h - heads) * capacity + start + r) * d;
-                for (int i = 0; i < d; i++) k[i] = from_bf16(to_bf16(rotated[i]));
+                uint16_t *k = keys + ((long)(h - heads) * capacity + start + r) * d;
+                for (int i = 0; i < d; i++) k[i] = to_bf16(rotated[i]);
             } else {
-                float *v = values + ((long)(h - heads - kv_heads) * capacity + start + r) * d;
-                for (int i = 0; i < d; i++) v[i] = from_bf16(x[i]);
+                uint16_t *v = values + ((long)(h - heads - kv_heads) * capacity + start + r) * d;
+                for (int i = 0; i < d; i++) v[i] = x[i];
             }
         }
     }

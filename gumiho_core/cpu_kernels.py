@@ -85,7 +85,7 @@ class CpuKernels:
     def rotate_and_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
                          values: torch.Tensor, start: int, heads: int) -> torch.Tensor:
         """qkv (n, heads + 2 kv_heads, d) bfloat16 contiguous; cos / sin (n, d) float32; keys /
-        values one layer's cache (kv_heads, capacity, d) float32. Rotary positions on queries
+        values one layer's cache (kv_heads, capacity, d) bfloat16. Rotary positions on queries
         and keys; keys and values written at cache slots start .. start + n. Returns the
         rotated queries (n, heads, d) bfloat16."""
         n, _, d = qkv.shape
@@ -97,7 +97,7 @@ class CpuKernels:
     def tree_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
                        ancestors: torch.Tensor, scale: float) -> torch.Tensor:
         """q (n, heads, d) bfloat16, rows of any stride, heads contiguous; keys / values
-        (kv_heads, capacity, d) float32 contiguous, one layer's cache holding the new rows at
+        (kv_heads, capacity, d) bfloat16 contiguous, one layer's cache holding the new rows at
         start .. start + n; ancestors (n, n) uint8 contiguous, which new rows each row sees
         (itself included, rows in depth order). Returns (n, heads * d) bfloat16."""
         n, heads, d = q.shape

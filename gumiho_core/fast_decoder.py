@@ -169,9 +169,9 @@ class FastLayer(nn.Module):
         n, d, kv_heads = q.shape[0], self.head_dim, self.kv_heads
         rep = self.heads // kv_heads
         q = q.reshape(n, kv_heads, rep, d).permute(1, 2, 0, 3).reshape(1, kv_heads, rep * n, d)
-        attn = F.scaled_dot_product_attention(q.to(cache.keys.dtype), cache.keys[index : index + 1, :, :end],
-                                              cache.values[index : index + 1, :, :end],
-                                              attn_mask=mask, scale=self.scale)
+        # float32 whatever the cache holds: a prompt's attention keeps float32's precision
+        keys, values = cache.keys[index : index + 1, :, :end].float(), cache.values[index : index + 1, :, :end].float()
+        attn = F.scaled_dot_product_attention(q.float(), keys, values, attn_mask=mask, scale=self.scale)
         return attn.view(kv_heads, rep, n, d).permute(2, 0, 1, 3).reshape(n, self.heads * d)
 
 
@@ -235,10 +235,12 @@ class FastDecoder(nn.Module):
 
     def new_cache(self, capacity: int = 512) -> StaticKVCache:
         s = self.shape
-        # float32 in every precision: blocked attention computes in float32 from it (exact copies
-        # of bfloat16 keys and values), and float32 keeps it as it always was.
-        return StaticKVCache(len(self.layers), s["kv_heads"], s["head_dim"], torch.float32, self.norm.device,
-                             capacity)
+        # bfloat16 where cpu_kernels.c reads it: the keys and values are bfloat16 numbers in
+        # these precisions, so it is the same values in half the bytes a pass reads (at 1500
+        # tokens of context the float32 cache was more than the int4 weights). Elsewhere
+        # float32: blocked attention computes in float32 from it, and float32 keeps it as it is.
+        dtype = torch.bfloat16 if self.kernels is not None else torch.float32
+        return StaticKVCache(len(self.layers), s["kv_heads"], s["head_dim"], dtype, self.norm.device, capacity)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache,
                 ancestors: torch.Tensor | None = None) -> torch.Tensor:

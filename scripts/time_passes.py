@@ -20,7 +20,7 @@ def main(precision: str, context: int) -> None:
     engine, _ = load_engine(None, need_heads=False, **options)
     decoder = engine.target.fast
     with torch.inference_mode():
-        cache = decoder.new_cache(1024)
+        cache = decoder.new_cache(2048)
         decoder(torch.randint(0, 1000, (context,)), torch.arange(context), cache)
         for rows in (1, 4, 8, 16):
             ancestors = torch.ones(rows, rows, dtype=torch.bool).tril()

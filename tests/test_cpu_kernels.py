@@ -20,11 +20,11 @@ def kernels():
 
 
 def cache_with(keys_and_values: int, head_dim: int, seed: int):
-    """A layer's cache (kv_heads, capacity, d) holding bfloat16-representable values, as the
-    decoder's does, with spare capacity after the entries in use."""
+    """A layer's cache (kv_heads, capacity, d) in bfloat16, as the decoder's, with spare
+    capacity after the entries in use."""
     g = torch.Generator().manual_seed(seed)
     shape = (KV_HEADS, keys_and_values + 40, head_dim)
-    return (torch.randn(shape, generator=g).bfloat16().float(), torch.randn(shape, generator=g).bfloat16().float())
+    return torch.randn(shape, generator=g).bfloat16(), torch.randn(shape, generator=g).bfloat16()
 
 
 @pytest.mark.parametrize("head_dim", [16, 64, 128])
@@ -48,8 +48,8 @@ def test_a_tree_row_is_the_same_bits_as_the_row_alone(kernels, start, rep, head_
         row = kernels.tree_attention(q[r : r + 1], k_alone, v_alone, position, torch.ones(1, 1, dtype=torch.uint8),
                                      scale)
         assert torch.equal(row, in_tree[r : r + 1]), r
-        reference = F.scaled_dot_product_attention(q[r].float().view(KV_HEADS, rep, head_dim), keys[:, order],
-                                                   values[:, order], scale=scale)
+        reference = F.scaled_dot_product_attention(q[r].float().view(KV_HEADS, rep, head_dim), keys[:, order].float(),
+                                                   values[:, order].float(), scale=scale)
         # bfloat16 output: within its rounding of the float32 result
         torch.testing.assert_close(row.float(), reference.reshape(1, -1), rtol=1e-2, atol=1e-2)
 
