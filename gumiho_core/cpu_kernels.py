@@ -34,6 +34,7 @@ SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.c", "groupwi
 FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11", "-fopenmp"]
 
 P, LONG, INT, FLOAT = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
+AVX512_FLAGS = ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni", "avx512_bf16")
 AMX_FROM_ROWS = 9  # products of fewer rows take VNNI (groupwise_matmul.c): the same bits, less work
 
 
@@ -50,10 +51,13 @@ class CpuKernels:
         self._rotate_and_store = self._typed("rotate_and_store", None, P, P, P, INT, INT, INT, INT, LONG, INT,
                                              P, P, P)
         self._groupwise_matmul = self._typed("groupwise_matmul", INT, P, INT, INT, P, INT, P, INT, P, INT)
-        # groupwise_matmul.c runs on AVX512-VNNI with bfloat16 conversions, and on AMX for many
-        # rows where the CPU has it and Linux grants this process its tile state.
-        self.groupwise = _cpu_has("avx512_vnni") and _cpu_has("avx512_bf16")
-        self.amx = self.groupwise and _cpu_has("amx_int8") and self.library.amx_enable(AMX_FROM_ROWS) == 0
+        # groupwise_matmul.c runs on AVX2 with FMA, on AVX512-VNNI where the CPU has it with
+        # AVX512-BF16 (the same bits), and on AMX for many rows where the CPU has it and Linux
+        # grants this process its tile state.
+        self.groupwise = _cpu_has("avx2") and _cpu_has("fma")
+        self.avx512 = all(_cpu_has(flag) for flag in AVX512_FLAGS)
+        ctypes.c_int.in_dll(self.library, "use_avx512").value = int(self.avx512)
+        self.amx = self.avx512 and _cpu_has("amx_int8") and self.library.amx_enable(AMX_FROM_ROWS) == 0
 
     def groupwise_matmul(self, x: torch.Tensor, weights: torch.Tensor, bits: int, scales: torch.Tensor,
                          dtype=torch.bfloat16) -> torch.Tensor:

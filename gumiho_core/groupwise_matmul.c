@@ -32,9 +32,15 @@
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
-#define AMX __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512bf16,avx512vnni")))
+#define AMX __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx512vnni")))
+
+/* The same sums on AVX2 (no AVX-512): CPUs such as AMD's Zen 1-3 and many laptops. */
+#define AVX2 __attribute__((target("avx2,fma")))
 
 extern int amx_from_rows;
+/* 1 where the CPU has AVX512-VNNI and AVX512-BF16 (cpu_kernels.py sets it), else AVX2 runs:
+   the same integer sums and the same float steps, so the same bits (tested). */
+int use_avx512 = 0;
 
 /* Linux hands out AMX's tile state only to a process that asks. 0 when granted: from then on
    blocks of `from_rows` rows or more take AMX (measured on SmolLM2-135M's layers, 2 cores:
@@ -205,25 +211,153 @@ AMX static void blocks_amx(const struct rows_q8 *x, int r0, int rows, const uint
     }
 }
 
-/* y (m, n) = x (m, k) @ W.T, x bfloat16, y bfloat16 or (float_out) float32; k a multiple of
-   32, n of 16. Blocks of 16 rows
-   x 16 outputs are shared out among OpenMP's threads (PyTorch's own: see cpu_kernels.py);
-   each block is computed by one thread. A block of fewer than AMX_ROWS rows takes VNNI, the
-   rest AMX: both sum integers exactly, so a row's bits are the same either way.
-   Returns 0, or -1 for sizes it does not take or no memory. */
+/* ---- AVX2: 8 outputs a register, the same arithmetic lane by lane as the AVX-512 code ---- */
+
+AVX2 static inline __m256 bf16x8_to_ps(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+/* 8 int32 to int8 with signed saturation, as _mm512_cvtsepi32_epi8 does (in two steps). */
+AVX2 static inline void store8_s8(int8_t *out, __m256i v) {
+    __m128i s16 = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    _mm_storel_epi64((__m128i *)out, _mm_packs_epi16(s16, s16));
+}
+
+AVX2 static inline void split8(__m256 x, __m256 inverse, __m256 step, __m256 fine, int8_t *hi, int8_t *lo) {
+    __m256i whole = _mm256_cvtps_epi32(_mm256_mul_ps(x, inverse));
+    __m256 rest = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(whole), step, x);
+    store8_s8(hi, whole);
+    store8_s8(lo, _mm256_cvtps_epi32(_mm256_mul_ps(rest, fine)));
+}
+
+/* quantize_row's twin: the same maximum, the same 16 lane sums added in the same order. */
+AVX2 static void quantize_row_avx2(const uint16_t *x, int k, int8_t *hi, int8_t *lo, float *scale, float *sum) {
+    __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int g = 0; g < k / 32; g++) {
+        __m256 v[4], biggest8 = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            v[i] = bf16x8_to_ps(x + 32 * g + 8 * i);
+            biggest8 = _mm256_max_ps(biggest8, _mm256_andnot_ps(sign, v[i]));
+        }
+        float lanes[16], maxima[8], biggest = 0.0f, total = 0.0f;
+        _mm256_storeu_ps(maxima, biggest8);
+        for (int i = 0; i < 8; i++) biggest = maxima[i] > biggest ? maxima[i] : biggest;
+        _mm256_storeu_ps(lanes, _mm256_add_ps(v[0], v[2]));  /* lane i: x[i] + x[16 + i] */
+        _mm256_storeu_ps(lanes + 8, _mm256_add_ps(v[1], v[3]));
+        for (int i = 0; i < 16; i++) total += lanes[i];
+        float step = biggest / 127.0f;
+        __m256 inverse = _mm256_set1_ps(biggest > 0 ? 127.0f / biggest : 0.0f);
+        __m256 fine = _mm256_set1_ps(biggest > 0 ? 256.0f / step : 0.0f);
+        for (int i = 0; i < 4; i++)
+            split8(v[i], inverse, _mm256_set1_ps(step), fine, hi + 32 * g + 8 * i, lo + 32 * g + 8 * i);
+        scale[g] = step / 256.0f, sum[g] = total;
+    }
+}
+
+/* One group's weights as 4-bit values in 16 registers (tile row p, outputs 8h .. 8h + 7 in
+   w[2p + h]); 8-bit weights come as two such halves, low nibbles then high ones, because
+   AVX2's byte products (vpmaddubsw) saturate 16-bit pair sums past 15 x 128 x 2 x 8. */
+AVX2 static inline void unpack_group_avx2(const uint8_t *weights, int bits, long at, int half, __m256i w[16]) {
+    __m256i mask = _mm256_set1_epi8(15);
+    if (bits == 8) {
+        for (int j = 0; j < 16; j++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(weights + at * 512 + 32 * j));
+            w[j] = _mm256_and_si256(half ? _mm256_srli_epi16(v, 4) : v, mask);
+        }
+        return;
+    }
+    const uint8_t *nibbles = weights + at * 256;
+    for (int j = 0; j < 8; j++) {
+        __m256i v = _mm256_loadu_si256((const __m256i *)(nibbles + 32 * j));
+        w[j] = _mm256_and_si256(v, mask);
+        w[8 + j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+    }
+}
+
+/* sum over the group of q * x for 8 outputs (registers w[h], w[2 + h], ..., tile rows 0..7):
+   16-bit pair sums, at most 8 x 3840 < 2^15, widened once. Exact. */
+AVX2 static inline __m256i group_sums_avx2(const __m256i w[16], int h, const int32_t *x4) {
+    __m256i pairs = _mm256_setzero_si256();
+    for (int p = 0; p < 8; p++)
+        pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w[2 * p + h], _mm256_set1_epi32(x4[p])));
+    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+
+/* 16 outputs (block nb) of `rows` rows from r0 into acc[r][0..1] (outputs 0..7, 8..15). */
+AVX2 static void block_avx2(const struct rows_q8 *x, int r0, int rows, const uint8_t *weights,
+                            const uint16_t *scales, int nb, __m256 (*acc)[2]) {
+    int halves = x->bits == 8 ? 2 : 1;
+    int32_t sums[16][2][2][8] __attribute__((aligned(32)));  /* row, hi / lo, outputs half, lane */
+    for (int g = 0; g < x->groups; g++) {
+        long at = (long)nb * x->groups + g;
+        __m256i w[16];
+        for (int half = 0; half < halves; half++) {
+            unpack_group_avx2(weights, x->bits, at, half, w);
+            for (int r = 0; r < rows; r++) {
+                long row = (long)(r0 + r) * x->k + 32 * g;
+                for (int part = 0; part < 2; part++) {
+                    const int32_t *x4 = (const int32_t *)((part ? x->lo : x->hi) + row);
+                    for (int h = 0; h < 2; h++) {
+                        __m256i s = group_sums_avx2(w, h, x4), *into = (__m256i *)sums[r][part][h];
+                        /* 8-bit weights: q = 16 * high nibble + low nibble */
+                        *into = half ? _mm256_add_epi32(*into, _mm256_slli_epi32(s, 4)) : s;
+                    }
+                }
+            }
+        }
+        for (int h = 0; h < 2; h++) {
+            __m256 scale = bf16x8_to_ps(scales + at * 32 + 8 * h), low = bf16x8_to_ps(scales + at * 32 + 16 + 8 * h);
+            for (int r = 0; r < rows; r++) {
+                long rg = (long)(r0 + r) * x->groups + g;
+                __m256i both = _mm256_add_epi32(_mm256_slli_epi32(*(__m256i *)sums[r][0][h], 8), *(__m256i *)sums[r][1][h]);
+                __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(both), _mm256_mul_ps(scale, _mm256_set1_ps(x->scale[rg])),
+                                           acc[r][h]);
+                acc[r][h] = _mm256_fmadd_ps(low, _mm256_set1_ps(x->sum[rg]), a);
+            }
+        }
+    }
+}
+
+static inline uint16_t float_to_bf16(float f) {  /* round to nearest even, as _mm512_cvtneps_pbh */
+    union { float f; uint32_t u; } v = { .f = f };
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40);  /* NaN */
+    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+/* groupwise_matmul on AVX2: the same jobs (16 rows x 2 output blocks), each by one thread. */
+AVX2 static int groupwise_matmul_avx2(const struct rows_q8 *q, int m, const uint8_t *weights,
+                                      const uint16_t *scales, int n, void *y, int float_out) {
+    int output_blocks = n / 16, row_blocks = (m + 15) / 16, pairs = (output_blocks + 1) / 2;
+    #pragma omp parallel for schedule(static)
+    for (int job = 0; job < row_blocks * pairs; job++) {
+        int r0 = job / pairs * 16, nb = job % pairs * 2, both = nb + 1 < output_blocks;
+        int rows = m - r0 < 16 ? m - r0 : 16;
+        __m256 acc[16][2];
+        for (int b = 0; b <= both; b++) {
+            for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+            block_avx2(q, r0, rows, weights, scales, nb + b, acc);
+            for (int r = 0; r < rows; r++) {
+                float out[16];
+                long at = (long)(r0 + r) * n + (nb + b) * 16;
+                _mm256_storeu_ps(out, acc[r][0]);
+                _mm256_storeu_ps(out + 8, acc[r][1]);
+                if (float_out) memcpy((float *)y + at, out, sizeof out);
+                else for (int i = 0; i < 16; i++) ((uint16_t *)y)[at + i] = float_to_bf16(out[i]);
+            }
+        }
+    }
+    return 0;
+}
+
+/* The AVX-512 jobs: blocks of 16 rows x 2 blocks of 16 outputs shared out among OpenMP's
+   threads (PyTorch's own: see cpu_kernels.py), each computed by one. A block of fewer than
+   amx_from_rows rows takes VNNI, the rest AMX: both sum integers exactly, so a row's bits are
+   the same either way. */
 int amx_from_rows = 1 << 30;  /* no AMX until amx_enable grants it */
 
-AMX int groupwise_matmul(const uint16_t *x, int m, int k, const uint8_t *weights, int bits, const uint16_t *scales,
-                         int n, void *y, int float_out) {
-    if (k % 32 || n % 16 || (bits != 4 && bits != 8)) return -1;
-    int groups = k / 32, output_blocks = n / 16, row_blocks = (m + 15) / 16;
-    uint8_t *work = malloc(2 * (size_t)m * k + 8 * (size_t)m * groups);  /* x's parts, scales, sums */
-    if (!work) return -1;
-    float *x_scale = (float *)(work + 2 * (long)m * k), *x_sum = x_scale + (long)m * groups;
-    struct rows_q8 q = { (int8_t *)work, (int8_t *)work + (long)m * k, x_scale, x_sum, k, groups, bits };
-    for (int r = 0; r < m; r++)
-        quantize_row(x + (long)r * k, k, (int8_t *)q.hi + (long)r * k, (int8_t *)q.lo + (long)r * k,
-                     x_scale + (long)r * groups, x_sum + (long)r * groups);
+AMX static void groupwise_matmul_avx512(const struct rows_q8 *q, int m, const uint8_t *weights,
+                                        const uint16_t *scales, int n, void *y, int float_out) {
+    int output_blocks = n / 16, row_blocks = (m + 15) / 16;
     int pairs = (output_blocks + 1) / 2;  /* jobs of two output blocks (the last may be one) */
     #pragma omp parallel
     {
@@ -235,10 +369,10 @@ AMX int groupwise_matmul(const uint16_t *x, int m, int k, const uint8_t *weights
             __m512 acc[2][16];
             for (int r = 0; r < rows; r++) acc[0][r] = acc[1][r] = _mm512_setzero_ps();
             if (rows < amx_from_rows || !both) {
-                for (int b = 0; b <= both; b++) block_vnni(&q, r0, rows, weights, scales, nb + b, acc[b]);
+                for (int b = 0; b <= both; b++) block_vnni(q, r0, rows, weights, scales, nb + b, acc[b]);
             } else {
                 if (rows != configured) configure(rows), configured = rows;
-                blocks_amx(&q, r0, rows, weights, scales, nb, acc[0], acc[1]);
+                blocks_amx(q, r0, rows, weights, scales, nb, acc[0], acc[1]);
             }
             for (int b = 0; b <= both; b++)
                 for (int r = 0; r < rows; r++) {
@@ -251,6 +385,30 @@ AMX int groupwise_matmul(const uint16_t *x, int m, int k, const uint8_t *weights
         }
         if (configured) _tile_release();
     }
+}
+
+/* y (m, n) = x (m, k) @ W.T, x bfloat16, y bfloat16 or (float_out) float32; k a multiple of
+   32, n of 16. On AVX-512 (use_avx512) or AVX2. Returns 0, or -1 for sizes it does not take
+   or no memory. */
+int groupwise_matmul(const uint16_t *x, int m, int k, const uint8_t *weights, int bits, const uint16_t *scales,
+                     int n, void *y, int float_out) {
+    if (k % 32 || n % 16 || (bits != 4 && bits != 8)) return -1;
+    int groups = k / 32;
+    uint8_t *work = malloc(2 * (size_t)m * k + 8 * (size_t)m * groups);  /* x's parts, scales, sums */
+    if (!work) return -1;
+    float *x_scale = (float *)(work + 2 * (long)m * k), *x_sum = x_scale + (long)m * groups;
+    struct rows_q8 q = { (int8_t *)work, (int8_t *)work + (long)m * k, x_scale, x_sum, k, groups, bits };
+    for (int r = 0; r < m; r++) {
+        int8_t *hi = (int8_t *)q.hi + (long)r * k, *lo = (int8_t *)q.lo + (long)r * k;
+        if (use_avx512)
+            quantize_row(x + (long)r * k, k, hi, lo, x_scale + (long)r * groups, x_sum + (long)r * groups);
+        else
+            quantize_row_avx2(x + (long)r * k, k, hi, lo, x_scale + (long)r * groups, x_sum + (long)r * groups);
+    }
+    if (use_avx512)
+        groupwise_matmul_avx512(&q, m, weights, scales, n, y, float_out);
+    else
+        groupwise_matmul_avx2(&q, m, weights, scales, n, y, float_out);
     free(work);
     return 0;
 }

@@ -16,6 +16,7 @@ from pathlib import Path
 from .errors import GumihoError
 from .generate import Engine
 from .cpu_matmul import bf16_packing_available
+from .quantize import groupwise_available
 from .heads import CONFIG_FILE, WEIGHTS_FILE, GumihoHeads, HeadCheckpoint, new_heads
 from .published import PUBLISHED_CONFIG, WEIGHT_CHOICES, load_published, weights_file
 from .settings import TreeSettings
@@ -23,8 +24,8 @@ from .target import load_target
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 SHIPPED_HEADS = PROJECT_ROOT / "assets" / "heads" / "smollm2-135m-instruct"
-# The embedded default model's precision when none is asked for, where the CPU runs bfloat16:
-# int4, its GGUF's own 4-bit grid. Measured on mt_bench (20 x 256, docs/fast_decoder.md):
+# The embedded default model's precision when none is asked for, where int4 runs well (a CPU
+# with bfloat16 support, or AVX2 and the engine's CPU kernels): int4, its GGUF's own 4-bit grid. Measured on mt_bench (20 x 256, docs/fast_decoder.md):
 # plain 1.40x and Gumiho 1.14x float32's, peak memory under 1 GB (docs/benchmarks.md), speculative
 # == plain in every answer (blocked attention). Elsewhere float32.
 DEFAULT_MODEL_QUANTIZE = "int4"
@@ -46,7 +47,7 @@ def load_engine(model: str | None = None, heads: str | None = None, dtype: str =
     if heads:
         heads_layout(Path(heads))  # a wrong path fails before the target loads
     if quantize == "auto":
-        default_case = model is None and dtype == "float32" and device == "cpu" and fast and bf16_packing_available()
+        default_case = model is None and dtype == "float32" and device == "cpu" and fast and int4_runs_well()
         quantize = DEFAULT_MODEL_QUANTIZE if default_case else None
     target = load_target(model, dtype=dtype, quantize=quantize, device=device, fast=fast,
                          release_transformers=not keep_transformers)
@@ -63,6 +64,12 @@ def load_engine(model: str | None = None, heads: str | None = None, dtype: str =
         warn("note: no trained heads for this model; drafting with untrained heads (lossless, slow)")
         return Engine(target, new_heads(target)), "untrained"
     return Engine(target, None), ""
+
+
+def int4_runs_well() -> bool:
+    """int4 on groupwise_matmul.c (AVX2 / AVX-512), or on PyTorch's kernel where the CPU runs
+    bfloat16; elsewhere its bfloat16 activations would be emulated, slower than float32."""
+    return bf16_packing_available() or groupwise_available()
 
 
 def _return_freed_memory() -> None:

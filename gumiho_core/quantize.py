@@ -153,9 +153,22 @@ def check_precision(precision: str, device: str = "cpu") -> None:
     """A clear line for a precision this machine cannot run (before anything loads)."""
     if precision not in PRECISIONS:
         raise GumihoError(f"unknown precision {precision!r}: use one of {', '.join(PRECISIONS)}")
-    if precision in ("int8", "int4", "bfloat16") and device == "cpu" and not bf16_packing_available():
+    if device != "cpu" or bf16_packing_available():
+        return
+    if precision == "int4" and not groupwise_available():
+        raise GumihoError("int4 needs a CPU with bfloat16 support (AVX512-BF16 or AMX), or AVX2 and the "
+                          "engine's CPU kernels (a C compiler); this machine has neither: use float32")
+    if precision in ("int8", "bfloat16"):
         raise GumihoError(f"{precision} needs a CPU with bfloat16 support (AVX512-BF16 or AMX); "
-                          "this one has none: use float32")
+                          "this one has none: use float32" + (" or int4" if groupwise_available() else ""))
+
+
+def groupwise_available() -> bool:
+    """groupwise_matmul.c runs here (AVX2 or AVX-512, a C compiler): int4 goes through it."""
+    from .cpu_kernels import load
+
+    kernels, _ = load()
+    return kernels is not None and kernels.groupwise
 
 
 def convert_layer(layer: nn.Module, precision: str) -> nn.Module:

@@ -98,7 +98,7 @@ def test_groupwise_products_are_row_invariant_and_close_to_the_float_product(ker
     from gumiho_core.quantize import GroupwiseLinear, quantize_groups
 
     if not kernels.groupwise:
-        pytest.skip("this CPU has no AVX512-VNNI / AVX512-BF16")
+        pytest.skip("this CPU has no AVX2 / FMA")
     torch.manual_seed(bits)
     linear = torch.nn.Linear(576, 960, bias=False)
     layer = GroupwiseLinear(linear, bits, kernels)
@@ -136,6 +136,28 @@ def test_vnni_and_amx_give_the_same_bits(kernels):
     assert torch.equal(on_amx, on_vnni)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_avx2_and_avx512_give_the_same_bits(kernels, bits):
+    """The AVX2 path (CPUs without AVX-512) sums the same integers and takes the same float
+    steps as VNNI / AMX: a machine's answers do not depend on which of them it has."""
+    import ctypes
+
+    from gumiho_core.quantize import GroupwiseLinear
+
+    if not kernels.avx512:
+        pytest.skip("this CPU has no AVX512-VNNI / AVX512-BF16 to compare AVX2 with")
+    layer = GroupwiseLinear(torch.nn.Linear(1536, 576, bias=False), bits, kernels, torch.float32)
+    x = torch.randn(20, 1536).bfloat16() * torch.logspace(-3, 2, 20)[:, None].bfloat16()
+    unit = ctypes.c_int.in_dll(kernels.library, "use_avx512")
+    try:
+        on_avx512 = layer(x)
+        unit.value = 0
+        on_avx2 = layer(x)
+    finally:
+        unit.value = 1
+    assert torch.equal(on_avx512, on_avx2)
+
+
 def test_an_int4_decoder_runs_its_products_on_the_kernels(kernels):
     """Where groupwise_matmul.c runs, the int4 layers and the 8-bit lm_head (float32 logits)
     are on it, so the engine's lossless tests in int4 exercise it."""
@@ -144,7 +166,7 @@ def test_an_int4_decoder_runs_its_products_on_the_kernels(kernels):
     from tiny import tiny_target
 
     if not kernels.groupwise:
-        pytest.skip("this CPU has no AVX512-VNNI / AVX512-BF16")
+        pytest.skip("this CPU has no AVX2 / FMA")
     decoder = attach_fast_decoder(tiny_target(seed=0, eos=False), "int4").fast
     assert all(type(layer.qkv) is GroupwiseLinear and layer.qkv.bits == 4 for layer in decoder.layers)
     assert type(decoder.lm_head) is GroupwiseLinear and decoder.lm_head.bits == 8

@@ -63,7 +63,13 @@ def test_fast_decoder_precisions_on_the_default_model(precision):
     prompt's last token in a one-token pass instead of the prefill, whose bits differ in low
     precision (docs/fast_decoder.md): a different start, not speculation, would part them."""
     from gumiho_core import load_target
+    from gumiho_core.errors import GumihoError
+    from gumiho_core.quantize import check_precision
 
+    try:
+        check_precision(precision)
+    except GumihoError as refused:  # e.g. bfloat16 on a CPU with AVX2 only
+        pytest.skip(str(refused))
     quantize = precision if precision.startswith("int") else None
     target = load_target(None, dtype="bfloat16" if quantize is None else "float32", quantize=quantize)
     assert target.fast is not None and target.fast.dtype.is_floating_point
@@ -79,18 +85,18 @@ def test_fast_decoder_precisions_on_the_default_model(precision):
 
 
 def test_the_default_engine_runs_on_the_fast_decoder_alone():
-    """What `make run` loads: the fast decoder in int4 (float32 on a CPU without bfloat16),
+    """What `make run` loads: the fast decoder in int4 (float32 on a CPU with neither bfloat16
+    nor AVX2 and a C compiler),
     the smaller tree int4 pays for, transformers' layers released (memory), and a pass that
     would need them says so in words instead of running a stack with no layers."""
     from gumiho_core.errors import GumihoError
-    from gumiho_core.loading import draft_tree_for, load_engine
-    from gumiho_core.cpu_matmul import bf16_packing_available
+    from gumiho_core.loading import draft_tree_for, int4_runs_well, load_engine
     from gumiho_core.settings import TreeSettings
     from gumiho_core.verify import run_target
 
     engine, note = load_engine(None, None)
     target = engine.target
-    expected = ("int4", TreeSettings.weight_only_cpu()) if bf16_packing_available() else ("float32", TreeSettings())
+    expected = ("int4", TreeSettings.weight_only_cpu()) if int4_runs_well() else ("float32", TreeSettings())
     assert note == "shipped" and target.fast is not None
     assert (target.fast.precision, draft_tree_for(engine)) == expected
     assert not target.transformers_layers and len(target.model.base_model.layers) == 0
