@@ -96,6 +96,17 @@ def _rows_are_dear(target) -> bool:
     return fast is not None and fast.precision in ("int8", "int4") and target.device.type == "cpu"
 
 
+def _default_tree(target) -> TreeSettings:
+    """The built-in tree for this target's passes: smaller where rows are dear, smallest where
+    groupwise_matmul.c runs on AVX2 (each row ~3 ms there against ~0.5 ms on AVX512-VNNI)."""
+    if not _rows_are_dear(target):
+        return TreeSettings()
+    kernels = getattr(target.fast.lm_head, "kernels", None)
+    if kernels is not None and not kernels.avx512:
+        return TreeSettings.avx2_int4_cpu()
+    return TreeSettings.weight_only_cpu()
+
+
 def heads_layout(folder: Path) -> str:
     """Which layout a heads folder holds, "ours" or "published"; a clear error for anything else."""
     folder = Path(folder)
@@ -120,7 +131,7 @@ def draft_tree_for(engine: Engine, auto: bool = False, log=None, **given) -> Tre
     `auto` the tree measured best on this machine for these heads (tree_budget.py, cached);
     values the user gave (`given`, None = not given) win.
     """
-    base = TreeSettings.weight_only_cpu() if _rows_are_dear(engine.target) else TreeSettings()
+    base = _default_tree(engine.target)
     if auto and engine.heads is not None:
         from .tree_budget import choose_tree, format_budget  # measures only when asked
 

@@ -7,8 +7,8 @@ with activations in bfloat16 (the CPU's AVX512-BF16 / AMX units; a GPU's tensor 
   kernel gpt-fast's int8 mode uses); 4x less to read than float32;
 - "int4": 4-bit weights in groups of 32 along the input, each group with its own scale and
   offset. This is the layout of the default GGUF's Q4_1 blocks (4-bit, asymmetric, groups
-  of 32): quantizing the weights that file de-quantized to recovers its own grid. On a CPU
-  with AVX512-VNNI the products run on groupwise_matmul.c (`GroupwiseLinear`: activations
+  of 32): quantizing the weights that file de-quantized to recovers its own grid. On an x86 CPU
+  with AVX2 (or AVX512-VNNI) and a C compiler the products run on groupwise_matmul.c (`GroupwiseLinear`: activations
   quantized to int8 per group of 32, as llama.cpp's Q4_1 x Q8_1; the lm_head 8-bit the same
   way); elsewhere on PyTorch's `_weight_int4pack_mm_for_cpu` / `_weight_int4pack_mm` (CUDA)
   with bfloat16 activations and an int8 lm_head;
@@ -87,7 +87,7 @@ class Int4WeightOnlyLinear(nn.Module):
 
 class GroupwiseLinear(nn.Module):
     """4- or 8-bit weights in groups of 32 inputs, w = q * scale + low, on groupwise_matmul.c
-    (AVX512-VNNI, AMX for many rows), activations quantized to int8 per group of 32 as
+    (AVX2, or AVX512-VNNI and AMX for many rows), activations quantized to int8 per group of 32 as
     llama.cpp does: a pass over 16 tree rows costs ~2.5x a one-row pass, where PyTorch's int4
     kernel costs ~5x."""
 
@@ -139,7 +139,7 @@ def groupwise_layout(q: torch.Tensor, scales: torch.Tensor, lows: torch.Tensor,
 
 
 def _groupwise_kernels(linear: nn.Linear):
-    """cpu_kernels where groupwise_matmul.c runs this layer (a CPU with AVX512-VNNI, sizes in
+    """cpu_kernels where groupwise_matmul.c runs this layer (a CPU with AVX2 or AVX-512, sizes in
     whole groups and blocks), else None."""
     from .cpu_kernels import load
 

@@ -96,7 +96,10 @@ def test_the_default_engine_runs_on_the_fast_decoder_alone():
 
     engine, note = load_engine(None, None)
     target = engine.target
-    expected = ("int4", TreeSettings.weight_only_cpu()) if int4_runs_well() else ("float32", TreeSettings())
+    kernels = getattr(target.fast.lm_head, "kernels", None)
+    int4_tree = TreeSettings.avx2_int4_cpu() if kernels is not None and not kernels.avx512 else \
+        TreeSettings.weight_only_cpu()
+    expected = ("int4", int4_tree) if int4_runs_well() else ("float32", TreeSettings())
     assert note == "shipped" and target.fast is not None
     assert (target.fast.precision, draft_tree_for(engine)) == expected
     assert not target.transformers_layers and len(target.model.base_model.layers) == 0

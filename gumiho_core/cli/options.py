@@ -17,9 +17,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--quantize", default="auto", choices=["auto", "none", "int8", "int4", "4bit", "8bit"],
                    help="weight-only int8 / int4 on the fast decoder (CPU or GPU; int4 on the engine's own "
-                        "VNNI / AMX kernels where the CPU has them), "
+                        "AVX2 / AVX512-VNNI / AMX kernels where they build), "
                         "bitsandbytes 4bit / 8bit (CUDA), none; auto (default): int4 for the embedded "
-                        "model where the CPU runs bfloat16, else none (docs/fast_decoder.md)")
+                        "model where int4 runs well (those kernels, or a CPU with bfloat16), else none "
+                        "(docs/fast_decoder.md)")
     p.add_argument("--no-fast", dest="fast", action="store_false",
                    help="run every pass through transformers' forward instead of the fast decoder")
     p.add_argument("--device", default="cpu", help="cpu, cuda or auto")
