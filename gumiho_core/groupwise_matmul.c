@@ -254,18 +254,9 @@ AVX2 static void quantize_row_avx2(const uint16_t *x, int k, int8_t *hi, int8_t 
     }
 }
 
-/* One group's weights as 4-bit values in 16 registers (tile row p, outputs 8h .. 8h + 7 in
-   w[2p + h]); 8-bit weights come as two such halves, low nibbles then high ones, because
-   AVX2's byte products (vpmaddubsw) saturate 16-bit pair sums past 15 x 128 x 2 x 8. */
-AVX2 static inline void unpack_group_avx2(const uint8_t *weights, int bits, long at, int half, __m256i w[16]) {
+/* One group's 4-bit weights in 16 registers: tile row p, outputs 8h .. 8h + 7 in w[2p + h]. */
+AVX2 static inline void unpack_group_avx2(const uint8_t *weights, long at, __m256i w[16]) {
     __m256i mask = _mm256_set1_epi8(15);
-    if (bits == 8) {
-        for (int j = 0; j < 16; j++) {
-            __m256i v = _mm256_loadu_si256((const __m256i *)(weights + at * 512 + 32 * j));
-            w[j] = _mm256_and_si256(half ? _mm256_srli_epi16(v, 4) : v, mask);
-        }
-        return;
-    }
     const uint8_t *nibbles = weights + at * 256;
     for (int j = 0; j < 8; j++) {
         __m256i v = _mm256_loadu_si256((const __m256i *)(nibbles + 32 * j));
@@ -275,7 +266,7 @@ AVX2 static inline void unpack_group_avx2(const uint8_t *weights, int bits, long
 }
 
 /* sum over the group of q * x for 8 outputs (registers w[h], w[2 + h], ..., tile rows 0..7):
-   16-bit pair sums, at most 8 x 3840 < 2^15, widened once. Exact. */
+   16-bit pair sums (vpmaddubsw), at most 8 x 15 x 128 x 2 < 2^15, widened once. Exact. */
 AVX2 static inline __m256i group_sums_avx2(const __m256i w[16], int h, const int32_t *x4) {
     __m256i pairs = _mm256_setzero_si256();
     for (int p = 0; p < 8; p++)
@@ -283,37 +274,68 @@ AVX2 static inline __m256i group_sums_avx2(const __m256i w[16], int h, const int
     return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 }
 
+/* 8-bit weights would saturate those 16-bit pair sums, so they take 16-bit products
+   (vpmaddwd): the weights widened to 16 bits, w[64 p + 16 c ..]: tile row p of outputs
+   4c .. 4c + 3, and x's two parts in one 16-bit number, 256 hi + lo. The sum of
+   q * (256 hi + lo) is exact in int32 (|.| <= 32 x 255 x 32640 < 2^31): the integer the
+   other paths form from their two sums. */
+AVX2 static inline void widen_group(const uint8_t *weights, long at, int16_t *w) {
+    for (int j = 0; j < 32; j++)
+        _mm256_store_si256((__m256i *)(w + 16 * j),
+                           _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(weights + at * 512 + 16 * j))));
+}
+
+AVX2 static inline void sums_16bit(const int16_t *w, const int8_t *hi, const int8_t *lo, __m256i out[2]) {
+    int16_t x16[32] __attribute__((aligned(32)));
+    for (int i = 0; i < 32; i += 16) {
+        __m256i h = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(hi + i)));
+        __m256i l = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(lo + i)));
+        _mm256_store_si256((__m256i *)(x16 + i), _mm256_add_epi16(_mm256_slli_epi16(h, 8), l));
+    }
+    __m256i s[4] = { _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256() };
+    for (int p = 0; p < 8; p++) {
+        __m256i xp = _mm256_set1_epi64x(*(const int64_t *)(x16 + 4 * p));
+        for (int c = 0; c < 4; c++)
+            s[c] = _mm256_add_epi32(s[c], _mm256_madd_epi16(_mm256_load_si256((const __m256i *)(w + 64 * p + 16 * c)), xp));
+    }
+    /* each s[c] holds two partial sums of outputs 4c .. 4c + 3: paired up, in output order */
+    out[0] = _mm256_permute4x64_epi64(_mm256_hadd_epi32(s[0], s[1]), 0xD8);
+    out[1] = _mm256_permute4x64_epi64(_mm256_hadd_epi32(s[2], s[3]), 0xD8);
+}
+
+/* A group's sums (int32, 256 x hi's + lo's) for 16 outputs into a row's float sums: the same
+   float steps as add_group, 8 lanes at a time. */
+AVX2 static inline void add_group_avx2(__m256 acc[2], const __m256i sums[2], const uint16_t *scales, long at,
+                                       float x_scale, float x_sum) {
+    for (int h = 0; h < 2; h++) {
+        __m256 scale = bf16x8_to_ps(scales + at * 32 + 8 * h), low = bf16x8_to_ps(scales + at * 32 + 16 + 8 * h);
+        __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[h]), _mm256_mul_ps(scale, _mm256_set1_ps(x_scale)), acc[h]);
+        acc[h] = _mm256_fmadd_ps(low, _mm256_set1_ps(x_sum), a);
+    }
+}
+
 /* 16 outputs (block nb) of `rows` rows from r0 into acc[r][0..1] (outputs 0..7, 8..15). */
 AVX2 static void block_avx2(const struct rows_q8 *x, int r0, int rows, const uint8_t *weights,
                             const uint16_t *scales, int nb, __m256 (*acc)[2]) {
-    int halves = x->bits == 8 ? 2 : 1;
-    int32_t sums[16][2][2][8] __attribute__((aligned(32)));  /* row, hi / lo, outputs half, lane */
+    __m256i w[16];
+    int16_t wide[512] __attribute__((aligned(32)));
     for (int g = 0; g < x->groups; g++) {
         long at = (long)nb * x->groups + g;
-        __m256i w[16];
-        for (int half = 0; half < halves; half++) {
-            unpack_group_avx2(weights, x->bits, at, half, w);
-            for (int r = 0; r < rows; r++) {
-                long row = (long)(r0 + r) * x->k + 32 * g;
-                for (int part = 0; part < 2; part++) {
-                    const int32_t *x4 = (const int32_t *)((part ? x->lo : x->hi) + row);
-                    for (int h = 0; h < 2; h++) {
-                        __m256i s = group_sums_avx2(w, h, x4), *into = (__m256i *)sums[r][part][h];
-                        /* 8-bit weights: q = 16 * high nibble + low nibble */
-                        *into = half ? _mm256_add_epi32(*into, _mm256_slli_epi32(s, 4)) : s;
-                    }
+        if (x->bits == 4) unpack_group_avx2(weights, at, w);
+        else widen_group(weights, at, wide);
+        for (int r = 0; r < rows; r++) {
+            long row = (long)(r0 + r) * x->k + 32 * g, rg = (long)(r0 + r) * x->groups + g;
+            __m256i sums[2];
+            if (x->bits == 4) {
+                for (int h = 0; h < 2; h++) {
+                    __m256i hi = group_sums_avx2(w, h, (const int32_t *)(x->hi + row));
+                    __m256i lo = group_sums_avx2(w, h, (const int32_t *)(x->lo + row));
+                    sums[h] = _mm256_add_epi32(_mm256_slli_epi32(hi, 8), lo);
                 }
+            } else {
+                sums_16bit(wide, x->hi + row, x->lo + row, sums);
             }
-        }
-        for (int h = 0; h < 2; h++) {
-            __m256 scale = bf16x8_to_ps(scales + at * 32 + 8 * h), low = bf16x8_to_ps(scales + at * 32 + 16 + 8 * h);
-            for (int r = 0; r < rows; r++) {
-                long rg = (long)(r0 + r) * x->groups + g;
-                __m256i both = _mm256_add_epi32(_mm256_slli_epi32(*(__m256i *)sums[r][0][h], 8), *(__m256i *)sums[r][1][h]);
-                __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(both), _mm256_mul_ps(scale, _mm256_set1_ps(x->scale[rg])),
-                                           acc[r][h]);
-                acc[r][h] = _mm256_fmadd_ps(low, _mm256_set1_ps(x->sum[rg]), a);
-            }
+            add_group_avx2(acc[r], sums, scales, at, x->scale[rg], x->sum[rg]);
         }
     }
 }
