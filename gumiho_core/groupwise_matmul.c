@@ -340,9 +340,11 @@ AVX2 static void block_avx2(const struct rows_q8 *x, int r0, int rows, const uin
     }
 }
 
-static inline uint16_t float_to_bf16(float f) {  /* round to nearest even, as _mm512_cvtneps_pbh */
+/* Round to nearest even as _mm512_cvtneps_pbh does, which also flushes denormals to zero. */
+static inline uint16_t float_to_bf16(float f) {
     union { float f; uint32_t u; } v = { .f = f };
     if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40);  /* NaN */
+    if ((v.u & 0x7f800000u) == 0) return (uint16_t)((v.u >> 16) & 0x8000u);  /* denormal: signed zero */
     return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
 }
 
