@@ -156,8 +156,11 @@ def check_precision(precision: str, device: str = "cpu") -> None:
     if device != "cpu" or bf16_packing_available():
         return
     if precision == "int4" and not groupwise_available():
-        raise GumihoError("int4 needs a CPU with bfloat16 support (AVX512-BF16 or AMX), or AVX2 and the "
-                          "engine's CPU kernels (a C compiler); this machine has neither: use float32")
+        from .cpu_kernels import load
+
+        why = load()[1] or "this CPU has no AVX2 / FMA"
+        raise GumihoError("int4 needs a CPU with bfloat16 support (AVX512-BF16 or AMX), or the engine's CPU "
+                          f"kernels on AVX2, and here neither runs ({why}): use float32")
     if precision in ("int8", "bfloat16"):
         raise GumihoError(f"{precision} needs a CPU with bfloat16 support (AVX512-BF16 or AMX); "
                           "this one has none: use float32" + (" or int4" if groupwise_available() else ""))

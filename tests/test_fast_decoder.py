@@ -151,6 +151,13 @@ def test_a_precision_the_cpu_cannot_run_is_one_clear_line(monkeypatch):
     check_precision("float32")  # always runs
     with pytest.raises(GumihoError, match="unknown precision"):
         check_precision("int3")
+    # int4 runs on the engine's kernels (AVX2 or AVX-512) without bfloat16 units; with neither,
+    # the line says why the kernels do not run.
+    monkeypatch.setattr(quantize, "groupwise_available", lambda: True)
+    check_precision("int4")
+    monkeypatch.setattr(quantize, "groupwise_available", lambda: False)
+    with pytest.raises(GumihoError, match=r"int4 needs .*\(.+\): use float32$"):
+        check_precision("int4")
 
 
 @pytest.mark.parametrize("layer_type", [Int8WeightOnlyLinear, Int4WeightOnlyLinear, "bfloat16"])
