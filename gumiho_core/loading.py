@@ -16,7 +16,7 @@ from pathlib import Path
 from .errors import GumihoError
 from .generate import Engine
 from .cpu_matmul import bf16_packing_available
-from .quantize import groupwise_available
+from .quantize import groupwise_kernels
 from .heads import CONFIG_FILE, WEIGHTS_FILE, GumihoHeads, HeadCheckpoint, new_heads
 from .published import PUBLISHED_CONFIG, WEIGHT_CHOICES, load_published, weights_file
 from .settings import TreeSettings
@@ -25,9 +25,10 @@ from .target import load_target
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 SHIPPED_HEADS = PROJECT_ROOT / "assets" / "heads" / "smollm2-135m-instruct"
 # The embedded default model's precision when none is asked for, where int4 runs well (a CPU
-# with bfloat16 support, or AVX2 and the engine's CPU kernels): int4, its GGUF's own 4-bit grid. Measured on mt_bench (20 x 256, docs/fast_decoder.md):
-# plain 1.40x and Gumiho 1.14x float32's, peak memory under 1 GB (docs/benchmarks.md), speculative
-# == plain in every answer (blocked attention). Elsewhere float32.
+# with bfloat16 support, or AVX2 and the engine's CPU kernels): int4, its GGUF's own 4-bit grid.
+# Measured on mt_bench (20 x 256, docs/fast_decoder.md): plain 1.40x and Gumiho 1.14x float32's,
+# peak memory under 1 GB (docs/benchmarks.md), speculative == plain in every answer (blocked
+# attention); on an AVX2-only CPU plain 2.4x float32's (docs/benchmarks.md). Elsewhere float32.
 DEFAULT_MODEL_QUANTIZE = "int4"
 
 
@@ -69,7 +70,7 @@ def load_engine(model: str | None = None, heads: str | None = None, dtype: str =
 def int4_runs_well() -> bool:
     """int4 on groupwise_matmul.c (AVX2 / AVX-512), or on PyTorch's kernel where the CPU runs
     bfloat16; elsewhere its bfloat16 activations would be emulated, slower than float32."""
-    return bf16_packing_available() or groupwise_available()
+    return bf16_packing_available() or groupwise_kernels()[0] is not None
 
 
 def _return_freed_memory() -> None:
@@ -101,7 +102,7 @@ def _default_tree(target) -> TreeSettings:
     groupwise_matmul.c runs on AVX2 (each row ~3 ms there against ~0.5 ms on AVX512-VNNI)."""
     if not _rows_are_dear(target):
         return TreeSettings()
-    kernels = getattr(target.fast.lm_head, "kernels", None)
+    kernels, _ = groupwise_kernels()  # the unit the int4 / 8-bit products run on
     if kernels is not None and not kernels.avx512:
         return TreeSettings.avx2_int4_cpu()
     return TreeSettings.weight_only_cpu()

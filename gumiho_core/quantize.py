@@ -138,15 +138,23 @@ def groupwise_layout(q: torch.Tensor, scales: torch.Tensor, lows: torch.Tensor,
     return weights.to(torch.uint8).contiguous(), torch.stack(per_block, dim=2).contiguous()
 
 
-def _groupwise_kernels(linear: nn.Linear):
-    """cpu_kernels where groupwise_matmul.c runs this layer (a CPU with AVX2 or AVX-512, sizes in
-    whole groups and blocks), else None."""
+def groupwise_kernels():
+    """(cpu_kernels, "") where groupwise_matmul.c runs on this machine (AVX2 or AVX-512, a C
+    compiler), else (None, why not)."""
     from .cpu_kernels import load
 
+    kernels, why = load()
+    if kernels is not None and not kernels.groupwise:
+        return None, "this CPU has no AVX2 / FMA"
+    return kernels, why
+
+
+def _groupwise_kernels(linear: nn.Linear):
+    """cpu_kernels where groupwise_matmul.c runs this layer (groupwise_kernels(), sizes in whole
+    groups and blocks), else None."""
     if linear.weight.device.type != "cpu" or linear.in_features % INT4_GROUP or linear.out_features % 16:
         return None
-    kernels, _ = load()
-    return kernels if kernels is not None and kernels.groupwise else None
+    return groupwise_kernels()[0]
 
 
 def check_precision(precision: str, device: str = "cpu") -> None:
@@ -155,23 +163,13 @@ def check_precision(precision: str, device: str = "cpu") -> None:
         raise GumihoError(f"unknown precision {precision!r}: use one of {', '.join(PRECISIONS)}")
     if device != "cpu" or bf16_packing_available():
         return
-    if precision == "int4" and not groupwise_available():
-        from .cpu_kernels import load
-
-        why = load()[1] or "this CPU has no AVX2 / FMA"
+    kernels, why = groupwise_kernels()
+    if precision == "int4" and kernels is None:
         raise GumihoError("int4 needs a CPU with bfloat16 support (AVX512-BF16 or AMX), or the engine's CPU "
                           f"kernels on AVX2, and here neither runs ({why}): use float32")
     if precision in ("int8", "bfloat16"):
         raise GumihoError(f"{precision} needs a CPU with bfloat16 support (AVX512-BF16 or AMX); "
-                          "this one has none: use float32" + (" or int4" if groupwise_available() else ""))
-
-
-def groupwise_available() -> bool:
-    """groupwise_matmul.c runs here (AVX2 or AVX-512, a C compiler): int4 goes through it."""
-    from .cpu_kernels import load
-
-    kernels, _ = load()
-    return kernels is not None and kernels.groupwise
+                          "this one has none: use float32" + (" or int4" if kernels is not None else ""))
 
 
 def convert_layer(layer: nn.Module, precision: str) -> nn.Module:

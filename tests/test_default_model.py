@@ -91,12 +91,13 @@ def test_the_default_engine_runs_on_the_fast_decoder_alone():
     would need them says so in words instead of running a stack with no layers."""
     from gumiho_core.errors import GumihoError
     from gumiho_core.loading import draft_tree_for, int4_runs_well, load_engine
+    from gumiho_core.quantize import groupwise_kernels
     from gumiho_core.settings import TreeSettings
     from gumiho_core.verify import run_target
 
     engine, note = load_engine(None, None)
     target = engine.target
-    kernels = getattr(target.fast.lm_head, "kernels", None)
+    kernels, _ = groupwise_kernels()
     int4_tree = TreeSettings.avx2_int4_cpu() if kernels is not None and not kernels.avx512 else \
         TreeSettings.weight_only_cpu()
     expected = ("int4", int4_tree) if int4_runs_well() else ("float32", TreeSettings())

@@ -153,9 +153,9 @@ def test_a_precision_the_cpu_cannot_run_is_one_clear_line(monkeypatch):
         check_precision("int3")
     # int4 runs on the engine's kernels (AVX2 or AVX-512) without bfloat16 units; with neither,
     # the line says why the kernels do not run.
-    monkeypatch.setattr(quantize, "groupwise_available", lambda: True)
+    monkeypatch.setattr(quantize, "groupwise_kernels", lambda: (object(), ""))
     check_precision("int4")
-    monkeypatch.setattr(quantize, "groupwise_available", lambda: False)
+    monkeypatch.setattr(quantize, "groupwise_kernels", lambda: (None, "no C compiler found"))
     with pytest.raises(GumihoError, match=r"int4 needs .*\(.+\): use float32$"):
         check_precision("int4")
 
