@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.c", "groupwise_matmul.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.c", "groupwise_matmul.c", "decoder_layers.c")]
 # -fopenmp: the library asks for libgomp.so.1, which in a process that imported torch is
 # PyTorch's own (loaded first, same name): the kernels' threads are PyTorch's threads.
 FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11", "-fopenmp"]
@@ -36,6 +36,21 @@ FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11", "-fopenmp"]
 P, LONG, INT, FLOAT = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 AVX512_FLAGS = ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni", "avx512_bf16")
 AMX_FROM_ROWS = 9  # products of fewer rows take VNNI (groupwise_matmul.c): the same bits, less work
+
+
+class LayerWeights(ctypes.Structure):
+    """decoder_layers.c's struct layer_weights: one int4 layer's norms and products (pointers
+    into the fast decoder's own tensors, which live as long as it does)."""
+
+    _fields_ = [(name, P) for name in ("attn_norm", "mlp_norm", "qkv", "out", "gate_up", "down", "qkv_scales",
+                                       "out_scales", "gate_up_scales", "down_scales")]
+
+
+class DecoderShape(ctypes.Structure):
+    """decoder_layers.c's struct decoder_shape."""
+
+    _fields_ = [*((name, INT) for name in ("layers", "dim", "heads", "kv_heads", "head_dim", "intermediate")),
+                ("eps", FLOAT), ("scale", FLOAT)]
 
 
 class CpuKernels:
@@ -51,6 +66,7 @@ class CpuKernels:
         self._rotate_and_store = self._typed("rotate_and_store", None, P, P, P, INT, INT, INT, INT, LONG, INT,
                                              P, P, P)
         self._groupwise_matmul = self._typed("groupwise_matmul", INT, P, INT, INT, P, INT, P, INT, P, INT)
+        self._decoder_layers = self._typed("decoder_layers", INT, P, P, P, INT, P, P, P, P, LONG, INT, P)
         # groupwise_matmul.c runs on AVX2 with FMA, on AVX512-VNNI where the CPU has it with
         # AVX512-BF16 (the same bits), and on AMX for many rows where the CPU has it and Linux
         # grants this process its tile state.
@@ -72,6 +88,17 @@ class CpuKernels:
             raise RuntimeError(f"groupwise_matmul refused a {k} -> {n} product (k a multiple of 32, n of 16) "
                                "or found no memory")
         return y
+
+    def decoder_layers(self, layers: ctypes.Array, shape: DecoderShape, x: torch.Tensor, cos: torch.Tensor,
+                       sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
+                       ancestors: torch.Tensor) -> None:
+        """Every layer of an int4 decoder over x (n, dim) bfloat16 contiguous, in place: x
+        becomes the last layer's output. cos / sin (n, head_dim) float32; keys / values the
+        whole cache (layers, kv_heads, capacity, head_dim) bfloat16; ancestors as tree_attention."""
+        if self._decoder_layers(ctypes.byref(layers), ctypes.byref(shape), x.data_ptr(), x.shape[0],
+                                cos.data_ptr(), sin.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.shape[2],
+                                start, ancestors.data_ptr()):
+            raise RuntimeError("decoder_layers refused the pass (sizes its kernels do not take) or found no memory")
 
     def _typed(self, name: str, result, *arguments):
         function = getattr(self.library, name)

@@ -205,6 +205,7 @@ class FastDecoder(nn.Module):
         self.kernels, self.kernels_note = None, ""
         if self.row_invariant and self.norm.device.type == "cpu" and cpu_kernels.supports(self.shape["head_dim"]):
             self.kernels, self.kernels_note = cpu_kernels.load()
+        self.layers_in_one_call = self._layers_in_one_call()
 
     @property
     def kernels(self) -> cpu_kernels.CpuKernels | None:
@@ -259,13 +260,41 @@ class FastDecoder(nn.Module):
         else:
             plan = self._mask(n, start, ancestors)
         x = F.embedding(tokens, self.embedding).to(self.dtype)
-        for index, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache, index, start, plan)
+        if isinstance(plan, KernelPlan) and self.layers_in_one_call is not None:
+            self.kernels.decoder_layers(*self.layers_in_one_call, x, cos, sin, cache.keys, cache.values, start,
+                                        plan.ancestors)
+        else:
+            for index, layer in enumerate(self.layers):
+                x = layer(x, cos, sin, cache, index, start, plan)
         cache.length = start + n  # as a transformers cache: the new rows are in, kept or not
         return rms_norm(x, self.norm, self.shape["eps"])
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         return self.lm_head(features).float()
+
+    def _layers_in_one_call(self) -> tuple | None:
+        """(layer weights, shape) for decoder_layers.c where it covers this decoder: int4 on
+        groupwise_matmul.c, no biases, no q / k norms (Qwen3). Decoding passes then run every
+        layer in one call; a prefill keeps the per-layer path (the flash kernel)."""
+        from .quantize import GroupwiseLinear  # quantize.py builds on this file's layers
+
+        names = ("qkv", "out", "gate_up", "down")
+        if self.kernels is None or any(
+                layer.q_norm is not None or any(type(getattr(layer, name)) is not GroupwiseLinear
+                                                or getattr(layer, name).bits != 4 or getattr(layer, name).bias is not None
+                                                for name in names)
+                for layer in self.layers):
+            return None
+        weights = (cpu_kernels.LayerWeights * len(self.layers))()
+        for slot, layer in zip(weights, self.layers):
+            slot.attn_norm, slot.mlp_norm = layer.attn_norm.data_ptr(), layer.mlp_norm.data_ptr()
+            for name in names:
+                setattr(slot, name, getattr(layer, name).weight.data_ptr())
+                setattr(slot, f"{name}_scales", getattr(layer, name).scales_and_lows.data_ptr())
+        first, s = self.layers[0], self.shape
+        shape = cpu_kernels.DecoderShape(len(self.layers), first.attn_norm.shape[0], s["heads"], s["kv_heads"],
+                                         s["head_dim"], first.down.weight.shape[1] * 32, s["eps"], first.scale)
+        return weights, shape
 
     def _row_invariant_plan(self, start: int, positions: torch.Tensor, ancestors: torch.Tensor | None):
         if self.kernels is None:

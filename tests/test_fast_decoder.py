@@ -248,3 +248,34 @@ def test_without_the_cpu_kernels_int4_runs_on_pytorch_and_stays_lossless(monkeyp
     spec = run_to_end(engine, prompt, GenerationSettings(max_new_tokens=40, tree=TREE), reuse_prefix=False)
     plain = run_to_end(engine, prompt, GenerationSettings(max_new_tokens=40, speculative=False), reuse_prefix=False)
     assert spec.token_ids == plain.token_ids
+
+
+def test_int4_decoding_passes_run_every_layer_in_one_call(monkeypatch):
+    """decoder_layers.c: where the int4 products run on groupwise_matmul.c, a decoding pass (a
+    tree here) is one call for every layer, never the per-layer path; it computes what that
+    path computes (its SiLU is its own: equal up to a last bit) and writes the same first
+    layer's cache."""
+    from gumiho_core.fast_decoder import FastLayer
+
+    decoder = fast_target("int4").fast
+    if decoder.layers_in_one_call is None:
+        pytest.skip("groupwise_matmul.c does not run here (no AVX2)")
+    prompt, tree = torch.tensor(random_prompts(1, seed=12)[0]), torch.tensor([5, 17, 42, 9, 60])
+    positions = torch.tensor([0, 1, 1, 2, 2]) + len(prompt)
+    ancestors = torch.eye(5, dtype=torch.bool)
+    ancestors[1:, 0] = ancestors[3, 1] = ancestors[4, 2] = True
+    with torch.inference_mode():
+        cache = decoder.new_cache()
+        decoder(prompt, torch.arange(len(prompt)), cache)
+        per_layer_forward = FastLayer.forward
+        with monkeypatch.context() as patch:
+            patch.setattr(FastLayer, "forward", lambda *args: pytest.fail("a decoding pass took the per-layer path"))
+            in_one_call = decoder(tree, positions, cache, ancestors)
+        assert FastLayer.forward is per_layer_forward
+        keys = cache.keys[:, :, : len(prompt) + 5].clone()
+        cache.crop(len(prompt))
+        one_call, decoder.layers_in_one_call = decoder.layers_in_one_call, None
+        per_layer = decoder(tree, positions, cache, ancestors)
+        decoder.layers_in_one_call = one_call
+    assert torch.equal(cache.keys[0, :, : len(prompt) + 5], keys[0])
+    torch.testing.assert_close(in_one_call, per_layer, atol=3e-2, rtol=3e-2)
