@@ -120,6 +120,96 @@ static inline __attribute__((always_inline)) void attend_group(const float *q, i
     }
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+/* attend_group on a CPU with AVX2 and no AVX-512, one query head at a time: its 16-lane
+   vectors take two 8-lane registers each there, and a group's queries and sums no longer fit
+   the 16 registers (GCC spilled them to memory on every key: a pass's attention cost as much
+   as its weight products). A head's arithmetic is attend_group's, lane by lane. */
+#include <immintrin.h>
+
+static inline __m256 bf16x8(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+/* exp16 on 8 lanes. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);
+    __m256i n = _mm256_cvttps_epi32(_mm256_fmsub_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    __m256 nf = _mm256_cvtepi32_ps(n);
+    __m256 r = _mm256_fmadd_ps(nf, _mm256_set1_ps(2.12194440e-4f), _mm256_fnmadd_ps(nf, _mm256_set1_ps(0.693359375f), x));
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n, _mm256_set1_epi32(127)), 23)));
+}
+
+/* One query head (q: d floats, scaled) over the keys at slots[0..count); scores: room for
+   count + 8 floats. Lanes 0-7 and 8-15 of each 16 inputs in two registers, added as lane_sum. */
+static inline __attribute__((always_inline)) void attend_head(const float *q, const uint16_t *keys,
+        const uint16_t *values, const int32_t *slots, int count, int d, float *scores, uint16_t *out) {
+    int chunks = d / 16;
+    __m256 q_low[16], q_high[16], acc_low[16], acc_high[16];
+    for (int c = 0; c < chunks; c++) q_low[c] = _mm256_loadu_ps(q + 16 * c), q_high[c] = _mm256_loadu_ps(q + 16 * c + 8);
+    float best = -3.0e38f;
+    for (int j = 0; j < count; j++) {
+        const uint16_t *k = keys + (long)slots[j] * d;
+        __m256 low = _mm256_mul_ps(q_low[0], bf16x8(k)), high = _mm256_mul_ps(q_high[0], bf16x8(k + 8));
+        for (int c = 1; c < chunks; c++) {
+            low = _mm256_fmadd_ps(q_low[c], bf16x8(k + 16 * c), low);
+            high = _mm256_fmadd_ps(q_high[c], bf16x8(k + 16 * c + 8), high);
+        }
+        __m256 a = _mm256_add_ps(low, high);
+        __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+        float lanes[4];
+        _mm_storeu_ps(lanes, b);
+        float score = (lanes[0] + lanes[2]) + (lanes[1] + lanes[3]);
+        scores[j] = score;
+        best = score > best ? score : best;
+    }
+    for (int j = count; j % 8; j++) scores[j] = best;  /* padding lanes: computed, never used */
+    for (int j = 0; j < count; j += 8)
+        _mm256_storeu_ps(scores + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + j), _mm256_set1_ps(best))));
+    float total = 0.0f;
+    for (int c = 0; c < chunks; c++) acc_low[c] = acc_high[c] = _mm256_setzero_ps();
+    for (int j = 0; j < count; j++) {
+        const uint16_t *v = values + (long)slots[j] * d;
+        __m256 weight = _mm256_set1_ps(scores[j]);
+        total += scores[j];
+        for (int c = 0; c < chunks; c++) {
+            acc_low[c] = _mm256_fmadd_ps(weight, bf16x8(v + 16 * c), acc_low[c]);
+            acc_high[c] = _mm256_fmadd_ps(weight, bf16x8(v + 16 * c + 8), acc_high[c]);
+        }
+    }
+    float result[256];
+    for (int c = 0; c < chunks; c++) {
+        _mm256_storeu_ps(result + 16 * c, _mm256_div_ps(acc_low[c], _mm256_set1_ps(total)));
+        _mm256_storeu_ps(result + 16 * c + 8, _mm256_div_ps(acc_high[c], _mm256_set1_ps(total)));
+    }
+    for (int i = 0; i < d; i++) out[i] = to_bf16(result[i]);
+}
+
+static void attend(const float *q, int group, const uint16_t *keys, const uint16_t *values,
+                   const int32_t *slots, int count, int d, float *scores, uint16_t *out) {
+    for (int g = 0; g < group; g++)
+        if (d == 64)  /* the usual head size, unrolled by the compiler */
+            attend_head(q + g * d, keys, values, slots, count, 64, scores, out + g * d);
+        else
+            attend_head(q + g * d, keys, values, slots, count, d, scores, out + g * d);
+}
+#else
+static void attend(const float *q, int group, const uint16_t *keys, const uint16_t *values,
+                   const int32_t *slots, int count, int d, float *scores, uint16_t *out) {
+    if (d == 64)  /* the usual head size, unrolled by the compiler */
+        attend_group(q, group, keys, values, slots, count, 64, scores, out);
+    else
+        attend_group(q, group, keys, values, slots, count, d, scores, out);
+}
+#endif
+
 /* n rows at cache slots start .. start + n; row r sees the cache before `start` and the rows
    a with ancestors[r * n + a] != 0 (itself included; rows are numbered in depth order).
    Returns 0, or -1 when d is not a multiple of 16 up to 256 or memory runs out. */
@@ -150,10 +240,7 @@ int tree_attention(const uint16_t *q, long q_row_stride, const uint16_t *keys, c
                     for (int i = 0; i < d; i++) qf[g * d + i] = from_bf16(qh[i]) * scale;
                 }
                 uint16_t *o = out + ((long)r * heads + h0) * d;
-                if (d == 64)  /* the usual head size, unrolled by the compiler */
-                    attend_group(qf, group, k, v, slots, count, 64, scores, o);
-                else
-                    attend_group(qf, group, k, v, slots, count, d, scores, o);
+                attend(qf, group, k, v, slots, count, d, scores, o);
             }
         }
         free(slots);

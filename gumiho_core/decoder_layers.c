@@ -23,11 +23,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-
 int groupwise_matmul(const uint16_t *x, int m, int k, const uint8_t *weights, int bits, const uint16_t *scales,
                      int n, void *y, int float_out);
 int tree_attention(const uint16_t *q, long q_row_stride, const uint16_t *keys, const uint16_t *values,
@@ -53,36 +48,41 @@ struct decoder_shape {
     float eps, scale;
 };
 
-static inline v16 widen(const uint16_t *p) {
-    v16h h;
+/* 8 lanes: one AVX2 register (half an AVX-512 one), so that GCC keeps every step in vector
+   instructions on either kind of CPU. */
+typedef float v8 __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint16_t v8h __attribute__((vector_size(16)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+
+static inline v8 widen(const uint16_t *p) {
+    v8h h;
     memcpy(&h, p, sizeof h);
-    return (v16)(__builtin_convertvector(h, v16u) << 16);
+    return (v8)(__builtin_convertvector(h, v8u) << 16);
 }
 
-/* Round to nearest even, 16 lanes (NaN is not expected here: SiLU of finite bfloat16). */
-static inline void narrow(uint16_t *p, v16 f) {
-    v16u u = (v16u)f;
-    v16u rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    v16h h = __builtin_convertvector(rounded, v16h);
+/* Round to nearest even (no NaN here: SiLU and sums of finite bfloat16). */
+static inline void narrow(uint16_t *p, v8 f) {
+    v8u u = (v8u)f;
+    v8h h = __builtin_convertvector((u + 0x7fffu + ((u >> 16) & 1u)) >> 16, v8h);
     memcpy(p, &h, sizeof h);
 }
 
 /* exp(x) for x <= 0, as cpu_kernels.c's exp16 (Cephes' polynomial, a couple of ulps). */
-static inline v16 exp_negative(v16 x) {
-    v16 low = (v16){0} - 87.0f;
-    v16i below = x < low;
-    x = (v16)(((v16i)low & below) | ((v16i)x & ~below));
-    v16i n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, v16i);
-    v16 nf = __builtin_convertvector(n, v16);
-    v16 r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
-    v16 p = (v16){0} + 1.9875691500e-4f;
+static inline v8 exp_negative(v8 x) {
+    v8 low = (v8){0} - 87.0f;
+    x = (v8)(((v8i)low & (x < low)) | ((v8i)x & ~(x < low)));
+    v8i n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, v8i);
+    v8 nf = __builtin_convertvector(n, v8);
+    v8 r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+    v8 p = (v8){0} + 1.9875691500e-4f;
     p = p * r + 1.3981999507e-3f;
     p = p * r + 8.3334519073e-3f;
     p = p * r + 4.1665795894e-2f;
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    return p * (v16)((n + 127) << 23);
+    return p * (v8)((n + 127) << 23);
 }
 
 /* out (n, inter) = bfloat16(bfloat16(SiLU(g)) * u) for gate_up (n, 2 inter) = [g | u], the two
@@ -91,12 +91,12 @@ static inline v16 exp_negative(v16 x) {
 static void silu_times(const uint16_t *gate_up, int n, int inter, uint16_t *out) {
     for (int r = 0; r < n; r++) {
         const uint16_t *g = gate_up + (long)r * 2 * inter, *u = g + inter;
-        for (int i = 0; i < inter; i += 16) {
-            v16 x = widen(g + i);
-            v16i negative = x < (v16){0};
-            v16 e = exp_negative((v16)((v16i)x | ((v16i){0} + INT32_MIN)));  /* exp(-|g|): sign bit set */
-            v16 numerator = (v16)(((v16i)x & ~negative) | ((v16i)(x * e) & negative));
-            uint16_t silu[16];
+        for (int i = 0; i < inter; i += 8) {
+            v8 x = widen(g + i);
+            v8i negative = x < (v8){0};
+            v8 e = exp_negative((v8)((v8i)x | ((v8i){0} + INT32_MIN)));  /* exp(-|g|): sign bit set */
+            v8 numerator = (v8)(((v8i)x & ~negative) | ((v8i)(x * e) & negative));
+            uint16_t silu[8];
             narrow(silu, numerator / (1.0f + e));
             narrow(out + (long)r * inter + i, widen(silu) * widen(u + i));
         }
@@ -138,8 +138,8 @@ int decoder_layers(const struct layer_weights *layers, const struct decoder_shap
         failed |= groupwise_matmul(act, n, s->intermediate, w->down, 4, w->down_scales, s->dim, mlp, 0);
     }
     if (!failed)  /* the last layer's residual add, rounded as PyTorch's bfloat16 x + mlp */
-        for (long i = 0; i < (long)n * s->dim; i += 16) {
-            v16 sum = widen(x + i) + widen(mlp + i);
+        for (long i = 0; i < (long)n * s->dim; i += 8) {
+            v8 sum = widen(x + i) + widen(mlp + i);
             narrow(x + i, sum);
         }
     free(work);
