@@ -88,7 +88,8 @@ class GumihoDrafter(Drafter):
     Under sampling it drafts only as far as drafting pays (draft_guard.py): each step is
     the full tree ("heads"), the root and a looked-up chain ("lookup"), or the root alone
     ("root", plain decoding's step), whichever gave the most tokens per second lately at
-    these settings. Under greedy decoding it always drafts the full tree: the tree budget
+    these settings. Under greedy decoding it drafts the full tree (unless the tree says
+    `guard_greedy`, as on AVX2-only CPUs, where rows are dear): the tree budget
     (tree_budget.py) measured what these heads are accepted at exactly that rule, and
     guarding greedy decoding too was measured slower (float32, mt_bench 20 x 256: 1.34x plain
     guarded against 1.52x always drafting: a heads step after root steps pays for the serial
@@ -115,7 +116,7 @@ class GumihoDrafter(Drafter):
     def begin(self, prompt_ids: list[int], shared: int, settings: GenerationSettings) -> None:
         self.tree = settings.tree
         self.lookup, self.chain = LookupLength(self.tree.lookup_tokens), []
-        self.guarded = self.guard is not None and not settings.sampling.greedy
+        self.guarded = self.guard is not None and (not settings.sampling.greedy or self.tree.guard_greedy)
         if self.guarded:
             self._guard_begin(settings)
         # Below depth 1, drafting multiplies one row per beam (cpu_matmul.py).

@@ -39,6 +39,11 @@ class TreeSettings:
     # occurrence of the context's tail join the tree as one more branch, beyond
     # total_tokens (more while the answer repeats the context); 0 turns it off.
     lookup_tokens: int = 8
+    # Under greedy decoding too, draft only as far as drafting pays lately (draft_guard.py:
+    # the full tree, the looked-up chain, or the root alone). Off where the heads' trees
+    # pay at greedy (the guard's probes cost a little); on where a tree row costs a large
+    # share of a pass (`avx2_int4_cpu`).
+    guard_greedy: bool = False
 
     def __post_init__(self):
         self.validate()
@@ -58,10 +63,10 @@ class TreeSettings:
     def avx2_int4_cpu(cls) -> "TreeSettings":
         """For int4 targets on a CPU without AVX-512 (groupwise_matmul.c's AVX2 path), where each
         row of a pass costs ~30% of a one-token pass (SmolLM2-135M, 2 AMD EPYC cores): the best
-        draft token and a shorter looked-up chain. Measured there (mt_bench 8 x 256): 1.03x plain,
-        tau 2.21; top_k 4 / 3 nodes + lookup 8 (the AVX-512 tree) 0.98x, without the lookup
-        branch 0.86-0.93x."""
-        return cls(top_k=2, total_tokens=2, depth=1, mlp_topk=4, pruning=8, lookup_tokens=4)
+        draft token and a shorter looked-up chain, guarded under greedy decoding too. Measured
+        there (mt_bench 20 x 256, docs/benchmarks.md): drafting every step 0.91x plain (tau
+        2.42), guarded 0.98x."""
+        return cls(top_k=2, total_tokens=2, depth=1, mlp_topk=4, pruning=8, lookup_tokens=4, guard_greedy=True)
 
     def with_overrides(self, **given) -> "TreeSettings":
         """These settings with the values a user gave (None = not given) on top.
@@ -82,7 +87,7 @@ class TreeSettings:
 
     def validate(self) -> None:
         for f in fields(self):
-            if f.name != "fta":
+            if f.name not in ("fta", "guard_greedy"):
                 whole_number(f.name, getattr(self, f.name))
         checks = [
             (self.top_k >= 1, "top_k must be at least 1"),

@@ -107,10 +107,10 @@ def engine():
 SAMPLED = SamplingSettings(temperature=1.0, seed=3)
 
 
-def trees(engine, sampling, guard, lookup_tokens=4, prompt=(3, 4, 5, 3, 4, 5, 3, 4)):
+def trees(engine, sampling, guard, lookup_tokens=4, prompt=(3, 4, 5, 3, 4, 5, 3, 4), guard_greedy=False):
     engine.drafter.guard = guard
     recorder = RecordingDrafter(engine.drafter)
-    tree = TreeSettings(top_k=3, total_tokens=6, depth=2, lookup_tokens=lookup_tokens)
+    tree = TreeSettings(top_k=3, total_tokens=6, depth=2, lookup_tokens=lookup_tokens, guard_greedy=guard_greedy)
     try:
         done = run_to_end(engine, list(prompt), GenerationSettings(max_new_tokens=16, sampling=sampling, tree=tree),
                           drafter=recorder, reuse_prefix=False)
@@ -142,6 +142,18 @@ def test_heads_mode_and_greedy_decoding_draft_the_full_tree(engine):
     _, drafted = trees(engine, SAMPLED, guard, lookup_tokens=0)
     assert guard.modes == ("heads", "root") and all("serial" in t.sources for t in drafted)
     assert sum(n for _, n, _ in guard.recorded) >= 15  # every step's tokens (the last may run past)
+
+
+def test_a_tree_that_guards_greedy_decoding_asks_the_guard_and_keeps_the_answer(engine):
+    """guard_greedy (the AVX2 default tree): greedy steps in the modes the guard picks, and
+    the answer is plain decoding's, token for token."""
+    prompt = (3, 4, 5, 3, 4, 5, 3, 4)
+    plain = run_to_end(engine, list(prompt), GenerationSettings(max_new_tokens=16, speculative=False))
+    guard = TakingTurns("heads")
+    done, drafted = trees(engine, SamplingSettings(), guard, prompt=prompt, guard_greedy=True)
+    assert guard.modes == MODES and {mode for mode, _, _ in guard.recorded} == set(MODES)
+    assert all(len(t) == 1 for t, (mode, _, _) in zip(drafted, guard.recorded) if mode == "root")
+    assert done.token_ids == plain.token_ids
 
 
 class TakingTurns(FixedGuard):
