@@ -7,7 +7,8 @@ norms, rotary positions with the cache writes, and attention in one call each, c
 each row alone, so its result does not depend on the other rows of the pass (what lossless
 decoding in bfloat16 needs; blocked_attention.py is the pure-PyTorch way to the same end).
 groupwise_matmul.c does the 4- and 8-bit products on the CPU's integer units (quantize.py's
-GroupwiseLinear). docs/fast_decoder.md has the measurements.
+GroupwiseLinear); decoder_layers.c runs an int4 decoding pass through every layer with those
+kernels in one call. docs/fast_decoder.md has the measurements.
 
 They are built with the machine's C compiler (`cc -O3 -march=native -fopenmp`, under a
 second) into the cache folder, keyed by the sources and the CPU, on first use. Where no
