@@ -18,6 +18,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vector8.h"
+
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 
@@ -47,31 +49,18 @@ static inline v16 splat(float x) { return (v16){0} + x; }
 
 /* The 16 lanes added as a fixed tree: 8 + 8, 4 + 4, 2 + 2, 1 + 1. */
 static inline float lane_sum(v16 v) {
-    typedef float v8 __attribute__((vector_size(32)));
     typedef float v4 __attribute__((vector_size(16)));
     v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
     v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
     return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
-/* exp(x) for x <= 0 (scores minus their maximum), lane by lane: Cephes' expf polynomial,
-   within a couple of ulps. A lane's result depends on that lane alone. */
+/* exp(x) for x <= 0 (scores minus their maximum), lane by lane: vector8.h's Cephes polynomial
+   on each half, within a couple of ulps. A lane's result depends on that lane alone. */
 static inline v16 exp16(v16 x) {
-    v16 low = splat(-87.0f);
-    v16i below = x < low;
-    x = (v16)(((v16i)low & below) | ((v16i)x & ~below));
-    v16i n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, v16i);  /* round, x <= 0 */
-    v16 nf = __builtin_convertvector(n, v16);
-    v16 r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
-    v16 p = splat(1.9875691500e-4f);
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    v16i scale = (n + 127) << 23;
-    return p * (v16)scale;
+    v8 low = exp8_negative(__builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7));
+    v8 high = exp8_negative(__builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15));
+    return __builtin_shufflevector(low, high, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 }
 
 #define MAX_GROUP 8  /* query heads per KV head handled together (more: in several groups) */
@@ -127,24 +116,8 @@ static inline __attribute__((always_inline)) void attend_group(const float *q, i
    as its weight products). A head's arithmetic is attend_group's, lane by lane. */
 #include <immintrin.h>
 
-static inline __m256 bf16x8(const uint16_t *p) {
+static inline __m256 bf16x8(const uint16_t *p) {  /* widen8 as intrinsics: GCC's code for it was slower here */
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-}
-
-/* exp16 on 8 lanes. */
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);
-    __m256i n = _mm256_cvttps_epi32(_mm256_fmsub_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-    __m256 nf = _mm256_cvtepi32_ps(n);
-    __m256 r = _mm256_fmadd_ps(nf, _mm256_set1_ps(2.12194440e-4f), _mm256_fnmadd_ps(nf, _mm256_set1_ps(0.693359375f), x));
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n, _mm256_set1_epi32(127)), 23)));
 }
 
 /* One query head (q: d floats, scaled) over the keys at slots[0..count); scores: room for
@@ -172,7 +145,7 @@ static inline __attribute__((always_inline)) void attend_head(const float *q, co
     }
     for (int j = count; j % 8; j++) scores[j] = best;  /* padding lanes: computed, never used */
     for (int j = 0; j < count; j += 8)
-        _mm256_storeu_ps(scores + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + j), _mm256_set1_ps(best))));
+        _mm256_storeu_ps(scores + j, (__m256)exp8_negative((v8)_mm256_sub_ps(_mm256_loadu_ps(scores + j), _mm256_set1_ps(best))));
     float total = 0.0f;
     for (int c = 0; c < chunks; c++) acc_low[c] = acc_high[c] = _mm256_setzero_ps();
     for (int j = 0; j < count; j++) {

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.c", "groupwise_matmul.c", "decoder_layers.c")]
+HEADERS = [Path(__file__).with_name("vector8.h")]  # included by the sources: part of the build's key
 # -fopenmp: the library asks for libgomp.so.1, which in a process that imported torch is
 # PyTorch's own (loaded first, same name): the kernels' threads are PyTorch's threads.
 FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11", "-fopenmp"]
@@ -168,7 +169,7 @@ def load() -> tuple[CpuKernels | None, str]:
 def _build(compiler: str) -> Path:
     from .target import cache_dir  # the project's one cache folder
 
-    source = b"".join(path.read_bytes() for path in SOURCES)
+    source = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
     key = hashlib.sha256(source + " ".join([compiler, *FLAGS, _cpu_id()]).encode()).hexdigest()[:16]
     library = cache_dir() / "kernels" / f"cpu_kernels-{key}.so"
     if library.exists():

@@ -16,12 +16,14 @@
      m = (SiLU(g) * u) @ Wdown         silu_times, groupwise_matmul; x += m at the next layer
 
    Every step computes a row alone, so a tree row's bits are the one-token pass's at its
-   position, as on the per-layer path. SiLU is computed here (exp16, cpu_kernels.c) where the
+   position, as on the per-layer path. SiLU is computed here (exp8_negative, vector8.h) where the
    per-layer path calls PyTorch's: the two may differ in a last bit now and then; plain and
    speculative decoding both take this path for their decoding passes. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "vector8.h"
 
 int groupwise_matmul(const uint16_t *x, int m, int k, const uint8_t *weights, int bits, const uint16_t *scales,
                      int n, void *y, int float_out);
@@ -48,43 +50,6 @@ struct decoder_shape {
     float eps, scale;
 };
 
-/* 8 lanes: one AVX2 register (half an AVX-512 one), so that GCC keeps every step in vector
-   instructions on either kind of CPU. */
-typedef float v8 __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
-typedef uint16_t v8h __attribute__((vector_size(16)));
-typedef uint32_t v8u __attribute__((vector_size(32)));
-
-static inline v8 widen(const uint16_t *p) {
-    v8h h;
-    memcpy(&h, p, sizeof h);
-    return (v8)(__builtin_convertvector(h, v8u) << 16);
-}
-
-/* Round to nearest even (no NaN here: SiLU and sums of finite bfloat16). */
-static inline void narrow(uint16_t *p, v8 f) {
-    v8u u = (v8u)f;
-    v8h h = __builtin_convertvector((u + 0x7fffu + ((u >> 16) & 1u)) >> 16, v8h);
-    memcpy(p, &h, sizeof h);
-}
-
-/* exp(x) for x <= 0, as cpu_kernels.c's exp16 (Cephes' polynomial, a couple of ulps). */
-static inline v8 exp_negative(v8 x) {
-    v8 low = (v8){0} - 87.0f;
-    x = (v8)(((v8i)low & (x < low)) | ((v8i)x & ~(x < low)));
-    v8i n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, v8i);
-    v8 nf = __builtin_convertvector(n, v8);
-    v8 r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
-    v8 p = (v8){0} + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    return p * (v8)((n + 127) << 23);
-}
-
 /* out (n, inter) = bfloat16(bfloat16(SiLU(g)) * u) for gate_up (n, 2 inter) = [g | u], the two
    roundings PyTorch's F.silu(gate) * up makes. SiLU(g) = g / (1 + e^-g), from e = exp(-|g|):
    g / (1 + e) for g >= 0, g e / (1 + e) below. inter a multiple of 16. */
@@ -92,13 +57,13 @@ static void silu_times(const uint16_t *gate_up, int n, int inter, uint16_t *out)
     for (int r = 0; r < n; r++) {
         const uint16_t *g = gate_up + (long)r * 2 * inter, *u = g + inter;
         for (int i = 0; i < inter; i += 8) {
-            v8 x = widen(g + i);
+            v8 x = widen8(g + i);
             v8i negative = x < (v8){0};
-            v8 e = exp_negative((v8)((v8i)x | ((v8i){0} + INT32_MIN)));  /* exp(-|g|): sign bit set */
+            v8 e = exp8_negative((v8)((v8i)x | ((v8i){0} + INT32_MIN)));  /* exp(-|g|): sign bit set */
             v8 numerator = (v8)(((v8i)x & ~negative) | ((v8i)(x * e) & negative));
             uint16_t silu[8];
-            narrow(silu, numerator / (1.0f + e));
-            narrow(out + (long)r * inter + i, widen(silu) * widen(u + i));
+            narrow8(silu, numerator / (1.0f + e));
+            narrow8(out + (long)r * inter + i, widen8(silu) * widen8(u + i));
         }
     }
 }
@@ -139,8 +104,8 @@ int decoder_layers(const struct layer_weights *layers, const struct decoder_shap
     }
     if (!failed)  /* the last layer's residual add, rounded as PyTorch's bfloat16 x + mlp */
         for (long i = 0; i < (long)n * s->dim; i += 8) {
-            v8 sum = widen(x + i) + widen(mlp + i);
-            narrow(x + i, sum);
+            v8 sum = widen8(x + i) + widen8(mlp + i);
+            narrow8(x + i, sum);
         }
     free(work);
     return failed ? -1 : 0;
