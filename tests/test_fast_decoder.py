@@ -267,11 +267,9 @@ def test_int4_decoding_passes_run_every_layer_in_one_call(monkeypatch):
     with torch.inference_mode():
         cache = decoder.new_cache()
         decoder(prompt, torch.arange(len(prompt)), cache)
-        per_layer_forward = FastLayer.forward
         with monkeypatch.context() as patch:
             patch.setattr(FastLayer, "forward", lambda *args: pytest.fail("a decoding pass took the per-layer path"))
             in_one_call = decoder(tree, positions, cache, ancestors)
-        assert FastLayer.forward is per_layer_forward
         keys = cache.keys[:, :, : len(prompt) + 5].clone()
         cache.crop(len(prompt))
         one_call, decoder.layers_in_one_call = decoder.layers_in_one_call, None
