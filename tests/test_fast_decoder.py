@@ -277,3 +277,18 @@ def test_int4_decoding_passes_run_every_layer_in_one_call(monkeypatch):
         decoder.layers_in_one_call = one_call
     assert torch.equal(cache.keys[0, :, : len(prompt) + 5], keys[0])
     torch.testing.assert_close(in_one_call, per_layer, atol=3e-2, rtol=3e-2)
+
+
+def test_decoding_in_one_call_past_the_caches_capacity():
+    """The cache re-allocates when a chat outgrows it (doubling); decoding passes in one call
+    read the new tensors, and give the bits of a cache that never grew."""
+    decoder = fast_target("int4").fast
+    prompt, steps = torch.tensor(random_prompts(1, seed=13, lo=6, hi=7)[0]), torch.tensor([5, 17, 42, 9, 60] * 4)
+    outputs, caches = [], [decoder.new_cache(8), decoder.new_cache(512)]
+    with torch.inference_mode():
+        for cache in caches:
+            decoder(prompt, torch.arange(len(prompt)), cache)
+            outputs.append(torch.cat([decoder(steps[i : i + 1], torch.tensor([len(prompt) + i]), cache)
+                                      for i in range(len(steps))]))
+    assert caches[0].capacity == 32 and caches[1].capacity == 512  # 8 -> 16 -> 32 for 26 positions
+    assert torch.equal(outputs[0], outputs[1])
