@@ -367,6 +367,8 @@ def test_edit_regenerate_sidebar_export_stats_and_model_errors(page, scripted_se
     page.wait_for_function("() => document.body.innerText.includes('error:')")
     send(page, "still alive?")
     page.wait_for_selector("#chat-log .msg.assistant .stats")
+    # The answer's new session redraws the sidebar: a click during the redraw can be lost.
+    page.locator("#session-list label", has_text="still alive?").wait_for()
 
     # Delete asks first; the second press removes the session from the store and the sidebar.
     page.locator("#session-list label", has_text="Renamed chat").click()
