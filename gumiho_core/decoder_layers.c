@@ -52,7 +52,7 @@ struct decoder_shape {
 
 /* out (n, inter) = bfloat16(bfloat16(SiLU(g)) * u) for gate_up (n, 2 inter) = [g | u], the two
    roundings PyTorch's F.silu(gate) * up makes. SiLU(g) = g / (1 + e^-g), from e = exp(-|g|):
-   g / (1 + e) for g >= 0, g e / (1 + e) below. inter a multiple of 16. */
+   g / (1 + e) for g >= 0, g e / (1 + e) below. inter a multiple of 8. */
 static void silu_times(const uint16_t *gate_up, int n, int inter, uint16_t *out) {
     for (int r = 0; r < n; r++) {
         const uint16_t *g = gate_up + (long)r * 2 * inter, *u = g + inter;
@@ -68,6 +68,13 @@ static void silu_times(const uint16_t *gate_up, int n, int inter, uint16_t *out)
     }
 }
 
+/* The next `count` values of a scratch buffer. */
+static inline uint16_t *carve(uint16_t **next, long count) {
+    uint16_t *start = *next;
+    *next += count;
+    return start;
+}
+
 /* x (n, dim) bfloat16, the rows' embeddings, becomes the last layer's output (before the final
    norm). cos / sin (n, head_dim) float32; keys / values the whole cache (layers, kv_heads,
    capacity, head_dim) bfloat16, the new rows written at slots start .. start + n; ancestors
@@ -78,14 +85,14 @@ int decoder_layers(const struct layer_weights *layers, const struct decoder_shap
                    int start, const uint8_t *ancestors) {
     if (s->intermediate % 16 || s->dim % 16) return -1;
     int d = s->head_dim, width = s->heads * d, qkv_width = (s->heads + 2 * s->kv_heads) * d;
-    long sizes[] = { s->dim, qkv_width, width, width, 2L * s->intermediate, s->intermediate, s->dim };
-    long total = 0;
-    for (int i = 0; i < 7; i++) total += sizes[i] * n;
-    uint16_t *work = malloc(sizeof(uint16_t) * total);
+    /* Scratch rows: h and mlp (dim each), qkv, q and attn (width each), gate_up and act. */
+    uint16_t *work = malloc(sizeof(uint16_t) * n * (2L * s->dim + qkv_width + 2L * width + 3L * s->intermediate));
     if (!work) return -1;
-    uint16_t *h = work, *qkv = h + (long)n * s->dim, *q = qkv + (long)n * qkv_width, *attn = q + (long)n * width,
-             *gate_up = attn + (long)n * width, *act = gate_up + 2L * n * s->intermediate,
-             *mlp = act + (long)n * s->intermediate;
+    uint16_t *next = work;
+    uint16_t *h = carve(&next, (long)n * s->dim), *mlp = carve(&next, (long)n * s->dim);
+    uint16_t *qkv = carve(&next, (long)n * qkv_width), *q = carve(&next, (long)n * width);
+    uint16_t *attn = carve(&next, (long)n * width), *gate_up = carve(&next, 2L * n * s->intermediate);
+    uint16_t *act = carve(&next, (long)n * s->intermediate);
     long layer_size = (long)s->kv_heads * capacity * d;
     int failed = 0;
     for (int i = 0; i < s->layers && !failed; i++) {

@@ -279,11 +279,13 @@ class FastDecoder(nn.Module):
         from .quantize import GroupwiseLinear  # quantize.py builds on this file's layers
 
         names = ("qkv", "out", "gate_up", "down")
-        if self.kernels is None or any(
-                layer.q_norm is not None or any(type(getattr(layer, name)) is not GroupwiseLinear
-                                                or getattr(layer, name).bits != 4 or getattr(layer, name).bias is not None
-                                                for name in names)
-                for layer in self.layers):
+
+        def covered(product) -> bool:
+            return type(product) is GroupwiseLinear and product.bits == 4 and product.bias is None
+
+        if self.kernels is None or any(layer.q_norm is not None or not all(covered(getattr(layer, name))
+                                                                           for name in names)
+                                       for layer in self.layers):
             return None
         weights = (cpu_kernels.LayerWeights * len(self.layers))()
         for slot, layer in zip(weights, self.layers):
@@ -293,7 +295,7 @@ class FastDecoder(nn.Module):
                 setattr(slot, f"{name}_scales", getattr(layer, name).scales_and_lows.data_ptr())
         first, s = self.layers[0], self.shape
         shape = cpu_kernels.DecoderShape(len(self.layers), first.attn_norm.shape[0], s["heads"], s["kv_heads"],
-                                         s["head_dim"], first.down.weight.shape[1] * 32, s["eps"], first.scale)
+                                         s["head_dim"], first.gate_up.out_features // 2, s["eps"], first.scale)
         return weights, shape
 
     def _row_invariant_plan(self, start: int, positions: torch.Tensor, ancestors: torch.Tensor | None):

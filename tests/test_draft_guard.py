@@ -144,6 +144,14 @@ def test_heads_mode_and_greedy_decoding_draft_the_full_tree(engine):
     assert sum(n for _, n, _ in guard.recorded) >= 15  # every step's tokens (the last may run past)
 
 
+class TakingTurns(FixedGuard):
+    """The modes in turn, one step each: heads, lookup, root, heads, ..."""
+
+    def pick(self):
+        self.mode = self.modes[len(self.recorded) % len(self.modes)]
+        return self.mode
+
+
 def test_a_tree_that_guards_greedy_decoding_asks_the_guard_and_keeps_the_answer(engine):
     """guard_greedy (the AVX2 default tree): greedy steps in the modes the guard picks, and
     the answer is plain decoding's, token for token."""
@@ -154,14 +162,6 @@ def test_a_tree_that_guards_greedy_decoding_asks_the_guard_and_keeps_the_answer(
     assert guard.modes == MODES and {mode for mode, _, _ in guard.recorded} == set(MODES)
     assert all(len(t) == 1 for t, (mode, _, _) in zip(drafted, guard.recorded) if mode == "root")
     assert done.token_ids == plain.token_ids
-
-
-class TakingTurns(FixedGuard):
-    """The modes in turn, one step each: heads, lookup, root, heads, ..."""
-
-    def pick(self):
-        self.mode = self.modes[len(self.recorded) % len(self.modes)]
-        return self.mode
 
 
 def test_switching_modes_mid_answer_keeps_the_answer(engine):
