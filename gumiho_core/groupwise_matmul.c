@@ -254,26 +254,6 @@ AVX2 static void quantize_row_avx2(const uint16_t *x, int k, int8_t *hi, int8_t 
     }
 }
 
-/* One group's 4-bit weights in 16 registers: tile row p, outputs 8h .. 8h + 7 in w[2p + h]. */
-AVX2 static inline void unpack_group_avx2(const uint8_t *weights, long at, __m256i w[16]) {
-    __m256i mask = _mm256_set1_epi8(15);
-    const uint8_t *nibbles = weights + at * 256;
-    for (int j = 0; j < 8; j++) {
-        __m256i v = _mm256_loadu_si256((const __m256i *)(nibbles + 32 * j));
-        w[j] = _mm256_and_si256(v, mask);
-        w[8 + j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
-    }
-}
-
-/* sum over the group of q * x for 8 outputs (registers w[h], w[2 + h], ..., tile rows 0..7):
-   16-bit pair sums (vpmaddubsw), at most 8 x 15 x 128 x 2 < 2^15, widened once. Exact. */
-AVX2 static inline __m256i group_sums_avx2(const __m256i w[16], int h, const int32_t *x4) {
-    __m256i pairs = _mm256_setzero_si256();
-    for (int p = 0; p < 8; p++)
-        pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w[2 * p + h], _mm256_set1_epi32(x4[p])));
-    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
-}
-
 /* 8-bit weights would saturate those 16-bit pair sums, so they take 16-bit products
    (vpmaddwd): the weights widened to 16 bits, w[64 p + 16 c ..]: tile row p of outputs
    4c .. 4c + 3, and x's two parts in one 16-bit number, 256 hi + lo. The sum of
@@ -314,27 +294,63 @@ AVX2 static inline void add_group_avx2(__m256 acc[2], const __m256i sums[2], con
     }
 }
 
+/* One half (outputs 8h .. 8h + 7) of a group's 4-bit weights in 8 registers, tile rows 0..7:
+   the low nibbles of loads h, 2 + h, 4 + h, 6 + h hold rows 0..3, their high nibbles rows 4..7. */
+AVX2 static inline void unpack_half_avx2(const uint8_t *weights, long at, int h, __m256i w[8]) {
+    __m256i mask = _mm256_set1_epi8(15);
+    const uint8_t *nibbles = weights + at * 256;
+    for (int p = 0; p < 4; p++) {
+        __m256i v = _mm256_loadu_si256((const __m256i *)(nibbles + 32 * (2 * p + h)));
+        w[p] = _mm256_and_si256(v, mask);
+        w[4 + p] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+    }
+}
+
+/* 256 hi + lo sums of one row's group for 8 outputs, from the half's 8 weight registers. */
+AVX2 static inline __m256i half_sums_avx2(const __m256i w[8], const int32_t *hi, const int32_t *lo) {
+    __m256i hi_pairs = _mm256_setzero_si256(), lo_pairs = _mm256_setzero_si256();
+    for (int p = 0; p < 8; p++) {
+        hi_pairs = _mm256_add_epi16(hi_pairs, _mm256_maddubs_epi16(w[p], _mm256_set1_epi32(hi[p])));
+        lo_pairs = _mm256_add_epi16(lo_pairs, _mm256_maddubs_epi16(w[p], _mm256_set1_epi32(lo[p])));
+    }
+    __m256i ones = _mm256_set1_epi16(1);
+    return _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(hi_pairs, ones), 8), _mm256_madd_epi16(lo_pairs, ones));
+}
+
+/* 4-bit weights: 8 outputs at a time, so the half's weights, two pair sums and the row's
+   broadcasts fit AVX2's 16 registers (all 16 outputs at once spilled on every row). */
+AVX2 static void block4_avx2(const struct rows_q8 *x, int r0, int rows, const uint8_t *weights,
+                             const uint16_t *scales, int nb, __m256 (*acc)[2]) {
+    for (int h = 0; h < 2; h++)
+        for (int g = 0; g < x->groups; g++) {
+            long at = (long)nb * x->groups + g;
+            __m256i w[8];
+            unpack_half_avx2(weights, at, h, w);
+            __m256 scale = bf16x8_to_ps(scales + at * 32 + 8 * h), low = bf16x8_to_ps(scales + at * 32 + 16 + 8 * h);
+            for (int r = 0; r < rows; r++) {
+                long row = (long)(r0 + r) * x->k + 32 * g, rg = (long)(r0 + r) * x->groups + g;
+                __m256i sums = half_sums_avx2(w, (const int32_t *)(x->hi + row), (const int32_t *)(x->lo + row));
+                __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(scale, _mm256_set1_ps(x->scale[rg])), acc[r][h]);
+                acc[r][h] = _mm256_fmadd_ps(low, _mm256_set1_ps(x->sum[rg]), a);
+            }
+        }
+}
+
 /* 16 outputs (block nb) of `rows` rows from r0 into acc[r][0..1] (outputs 0..7, 8..15). */
 AVX2 static void block_avx2(const struct rows_q8 *x, int r0, int rows, const uint8_t *weights,
                             const uint16_t *scales, int nb, __m256 (*acc)[2]) {
-    __m256i w[16];
+    if (x->bits == 4) {
+        block4_avx2(x, r0, rows, weights, scales, nb, acc);
+        return;
+    }
     int16_t wide[512] __attribute__((aligned(32)));
     for (int g = 0; g < x->groups; g++) {
         long at = (long)nb * x->groups + g;
-        if (x->bits == 4) unpack_group_avx2(weights, at, w);
-        else widen_group(weights, at, wide);
+        widen_group(weights, at, wide);
         for (int r = 0; r < rows; r++) {
             long row = (long)(r0 + r) * x->k + 32 * g, rg = (long)(r0 + r) * x->groups + g;
             __m256i sums[2];
-            if (x->bits == 4) {
-                for (int h = 0; h < 2; h++) {
-                    __m256i hi = group_sums_avx2(w, h, (const int32_t *)(x->hi + row));
-                    __m256i lo = group_sums_avx2(w, h, (const int32_t *)(x->lo + row));
-                    sums[h] = _mm256_add_epi32(_mm256_slli_epi32(hi, 8), lo);
-                }
-            } else {
-                sums_16bit(wide, x->hi + row, x->lo + row, sums);
-            }
+            sums_16bit(wide, x->hi + row, x->lo + row, sums);
             add_group_avx2(acc[r], sums, scales, at, x->scale[rg], x->sum[rg]);
         }
     }
