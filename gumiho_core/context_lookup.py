@@ -17,10 +17,20 @@ the chain after refusals, so a poor guess costs few tree rows (mt_bench, 10 prom
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
-def continuation(context: torch.Tensor, length: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
+@dataclass(frozen=True)
+class Chain:
+    """Looked-up tokens, and how many context tokens their source matched (0: none found)."""
+
+    tokens: list[int]
+    match: int
+
+
+def look_up(context: torch.Tensor, length: int, max_ngram: int = 3, min_ngram: int = 1) -> Chain:
     """Up to `length` tokens that followed the latest earlier occurrence of the context's tail.
 
     The longest tail (max_ngram tokens, down to min_ngram) that occurred before wins; among
@@ -37,8 +47,13 @@ def continuation(context: torch.Tensor, length: int, max_ngram: int = 3, min_ngr
         hits = (windows == tail).all(dim=1).nonzero()
         if len(hits):
             start = int(hits[-1]) + n
-            return context[start : start + length].tolist()
-    return []
+            return Chain(context[start : start + length].tolist(), n)
+    return Chain([], 0)
+
+
+def continuation(context: torch.Tensor, length: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
+    """look_up's tokens alone."""
+    return look_up(context, length, max_ngram, min_ngram).tokens
 
 
 class LookupLength:

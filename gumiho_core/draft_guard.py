@@ -94,28 +94,44 @@ class ModeChoice:
 
 
 class DraftGuard:
-    """Picks a drafter's mode for each step and learns from what each step gave."""
+    """Picks a drafter's mode for each step and learns from what each step gave.
+
+    A step's situation is what the drafter knows before it drafts, such as how long a match
+    the context lookup found: a chain whose source matched the context's last 3 tokens is
+    accepted far more often than one matched on a single token (docs/benchmarks.md), so each
+    situation keeps records of its own, and a step in one is judged by the steps like it.
+    """
 
     def __init__(self):
         self.choices: dict[tuple, ModeChoice] = {}
+        self.key: tuple = ()
+        self.modes: tuple[str, ...] = ()
+        self.label = ""
         self.current: ModeChoice | None = None
 
     def begin(self, key: tuple, modes: tuple[str, ...], label: str = "") -> None:
         """A generation starts under `key` (its sampling settings and tree), drafting in `modes`;
         `label` names the key in reports."""
-        key = (key, modes)
-        if key not in self.choices:
-            self.choices[key] = ModeChoice(modes, label or str(key[0]))
-        self.current = self.choices[key]
+        self.key, self.modes, self.label = key, modes, label or str(key)
+        self.current = self._choice("", modes)
 
-    def pick(self) -> str:
+    def pick(self, situation: str = "", modes: tuple[str, ...] | None = None) -> str:
+        """This step's mode among `modes` (default: the generation's) in `situation`."""
+        self.current = self._choice(situation, modes or self.modes)
         return self.current.pick()
 
     def record(self, mode: str, tokens: int, seconds: float) -> None:
+        """What the step just picked gave: tokens emitted, in seconds."""
         self.current.add(mode, tokens, seconds)
 
+    def _choice(self, situation: str, modes: tuple[str, ...]) -> ModeChoice:
+        key = (self.key, modes, situation)
+        if key not in self.choices:
+            self.choices[key] = ModeChoice(modes, f"{self.label}, {situation}" if situation else self.label)
+        return self.choices[key]
+
     def summary(self) -> list[dict]:
-        """Per key: each mode's steps all told, and its tokens per step and per second lately."""
+        """Per key and situation: each mode's steps all told, and its tokens per step and per second lately."""
         return [{"key": choice.label, "modes": {mode: {"steps": choice.taken[mode], "tokens_per_step": r.tokens_per_step(),
                                                    "tokens_per_s": r.rate()} for mode, r in choice.records.items()}}
-                for key, choice in self.choices.items()]
+                for choice in self.choices.values()]

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .context_lookup import LookupLength, continuation
+from .context_lookup import Chain, LookupLength, look_up
 from .cpu_matmul import pack_for_rows
 from .draft_guard import DraftGuard
 from .draft_tree import DraftTree, build_draft_tree
@@ -88,7 +88,9 @@ class GumihoDrafter(Drafter):
     Under sampling it drafts only as far as drafting pays (draft_guard.py): each step is
     the full tree ("heads"), the root and a looked-up chain ("lookup"), or the root alone
     ("root", plain decoding's step), whichever gave the most tokens per second lately at
-    these settings. Under greedy decoding it drafts the full tree (unless the tree says
+    these settings in steps like this one: with no looked-up chain, with one whose source
+    matched 1, 2 or 3 context tokens (the longer the match, the likelier it is accepted), or
+    while the answer repeats its context (the last chain accepted whole). Under greedy decoding it drafts the full tree (unless the tree says
     `guard_greedy`, as on AVX2-only CPUs, where rows are dear): the tree budget
     (tree_budget.py) measured what these heads are accepted at exactly that rule, and
     guarding greedy decoding too was measured slower (float32, mt_bench 20 x 256: 1.34x plain
@@ -153,13 +155,16 @@ class GumihoDrafter(Drafter):
         """Look up a chain in the context, feed the serial head what it has not read yet,
         and draft below the root (as far as this step's mode goes)."""
         self.started = time.perf_counter()
-        self.mode = self.guard.pick() if self.guarded else "heads"
         self.chain = []
         root_only = DraftTree.root_only(step.root, step.context.device)
-        if self.mode == "root" or step.room < 1:
+        if step.room < 1:
+            self.mode = "root"
             return root_only
-        if self.lookup.tokens:
-            self.chain = continuation(step.context, min(self.lookup.tokens, step.room))
+        found = look_up(step.context, min(self.lookup.tokens, step.room)) if self.lookup.tokens else None
+        self.mode = self._pick_mode(found)
+        if self.mode == "root":
+            return root_only
+        self.chain = found.tokens if found is not None else []
         if self.mode == "lookup" or (self.chain and self.lookup.repeating):
             # Either the guard found the heads not worth their cost lately, or the answer is
             # repeating the context and the last chain was accepted whole (the heads would
@@ -167,6 +172,21 @@ class GumihoDrafter(Drafter):
             # at its next turn.
             return root_only.add_chain(self.chain)
         return self._heads_tree(step).add_chain(self.chain)
+
+    def _pick_mode(self, found: Chain | None) -> str:
+        """The full tree unless guarded; else the guard's pick for a step like this one: no
+        chain found (then "lookup" would be the root alone), the answer repeating its context
+        (the last chain accepted whole: the chain goes alone, as draft() says, so "heads"
+        would be "lookup"), or a chain matched on 1, 2 or 3 context tokens."""
+        if not self.guarded:
+            return "heads"
+        if found is None:  # the lookup is off
+            return self.guard.pick()
+        if not found.tokens:
+            return self.guard.pick("no match", ("heads", "root"))
+        if self.lookup.repeating:
+            return self.guard.pick("repeating", ("lookup", "root"))
+        return self.guard.pick(f"{found.match}-token match")
 
     def _heads_tree(self, step: DraftStep) -> DraftTree:
         heads, cache, embed = self.heads, self.cache, self.target.embed_tokens

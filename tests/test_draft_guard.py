@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from gumiho_core import Engine, GenerationSettings, SamplingSettings, TreeSettings, new_heads, run_to_end
 from gumiho_core.draft_guard import FIRST_STEPS, PROBE_EVERY, PROBE_EVERY_MAX, DraftGuard, ModeChoice
@@ -82,17 +83,37 @@ def test_records_are_kept_per_key_across_generations():
     assert summary[str(("t=1",))]["heads"]["steps"] == 4 and summary[str(("t=0.7",))]["heads"]["steps"] == 0
 
 
+def test_each_situation_keeps_its_own_records():
+    """Chains matched on 3 context tokens pay, steps without a chain do not: each kind of step
+    gets the mode that pays for it, not the average of both."""
+    guard = DraftGuard()
+    guard.begin(("t=0",), MODES)
+    strong = {"heads": (2, 2.0), "lookup": (4, 1.5), "root": (1, 1.0)}  # (tokens, seconds) per step
+    none = {"heads": (1.2, 2.0), "root": (1, 1.0)}
+    for _ in range(300):
+        mode = guard.pick("3-token match")
+        guard.record(mode, *strong[mode])
+        mode = guard.pick("no match", ("heads", "root"))
+        guard.record(mode, *none[mode])
+    summary = {entry["key"]: entry["modes"] for entry in guard.summary()}
+    with_chain, without = summary["('t=0',), 3-token match"], summary["('t=0',), no match"]
+    assert with_chain["lookup"]["steps"] > 250 and without["root"]["steps"] > 250
+    assert "lookup" not in without
+
+
 class FixedGuard:
     """Always the same mode; remembers what each step gave."""
 
     def __init__(self, mode):
         self.mode, self.recorded, self.modes = mode, [], None
+        self.situations = []  # (situation, modes offered) of each step
 
     def begin(self, key, modes, label=""):
         self.modes = modes
 
-    def pick(self):
-        return self.mode
+    def pick(self, situation="", modes=None):
+        self.situations.append((situation, modes))
+        return self.mode if modes is None or self.mode in modes else modes[-1]
 
     def record(self, mode, tokens, seconds):
         self.recorded.append((mode, tokens, seconds))
@@ -147,9 +168,9 @@ def test_heads_mode_and_greedy_decoding_draft_the_full_tree(engine):
 class TakingTurns(FixedGuard):
     """The modes in turn, one step each: heads, lookup, root, heads, ..."""
 
-    def pick(self):
+    def pick(self, situation="", modes=None):
         self.mode = self.modes[len(self.recorded) % len(self.modes)]
-        return self.mode
+        return self.mode if modes is None or self.mode in modes else modes[-1]
 
 
 def test_a_tree_that_guards_greedy_decoding_asks_the_guard_and_keeps_the_answer(engine):
@@ -172,3 +193,59 @@ def test_switching_modes_mid_answer_keeps_the_answer(engine):
     done, drafted = trees(engine, SamplingSettings(temperature=1e-4, seed=0), guard)
     assert done.token_ids == plain.token_ids
     assert {m for m, _, _ in guard.recorded} == set(MODES)
+
+
+def test_the_guard_judges_each_step_by_how_long_a_match_the_lookup_found(engine):
+    """The drafter tells the guard, before each step, what kind of step it is: no chain found
+    (no "lookup" mode offered: the root alone would be that step), a chain matched on 1-3
+    context tokens, or the answer repeating its context (the last chain accepted whole)."""
+    from gumiho_core.context_lookup import LookupLength, look_up
+
+    prompt = [3, 4, 5, 3, 4, 5, 3, 4]
+    guard = FixedGuard("lookup")
+    engine.drafter.guard = guard
+    recorder = RecordingDrafter(engine.drafter)
+    tree = TreeSettings(top_k=3, total_tokens=6, depth=2, lookup_tokens=4, guard_greedy=True)
+    try:
+        done = run_to_end(engine, prompt, GenerationSettings(max_new_tokens=64, tree=tree), drafter=recorder,
+                          reuse_prefix=False)
+    finally:
+        engine.drafter.guard = DraftGuard()
+    emitted, length, seen = 1, LookupLength(4), set()  # the prefill's token; the drafter's chain rule
+    for (situation, modes), (drafted, path) in zip(guard.situations, recorder.steps):
+        found = look_up(torch.tensor(prompt + done.token_ids[:emitted]), 4)
+        if not found.tokens:
+            assert (situation, modes) == ("no match", ("heads", "root")) and len(drafted) == 1
+        else:
+            expected = ("repeating", ("lookup", "root")) if length.repeating else (f"{found.match}-token match", None)
+            assert (situation, modes) == expected
+            assert drafted.sources[1:] and set(drafted.sources[1:]) == {"lookup"}
+            length.update(len(path) - 1, len(drafted) - 1)  # the root and the chain alone
+        seen.add(situation)
+        emitted += len(path)
+    assert "no match" in seen and len(seen) > 1 and len(recorder.steps) == len(guard.situations)
+
+
+@pytest.mark.parametrize("context, situation", [
+    ([1, 2, 3, 9, 1, 2, 3], "3-token match"),
+    ([7, 1, 2, 9, 8, 1, 2], "2-token match"),
+    ([7, 1, 9, 8, 1], "1-token match"),
+    ([1, 2, 3, 4], "no match"),
+])
+def test_each_kind_of_step_is_named_to_the_guard(engine, context, situation):
+    from gumiho_core.drafter import DraftStep
+
+    drafter, guard = engine.drafter, FixedGuard("lookup")
+    drafter.guard = guard
+    settings = GenerationSettings(tree=TreeSettings(top_k=3, total_tokens=6, depth=2, lookup_tokens=4,
+                                                    guard_greedy=True))
+    try:
+        drafter.begin(context, 0, settings)
+        step = DraftStep(torch.tensor(context), torch.zeros(len(context) - 1, engine.target.hidden_size), room=8)
+        drafter.draft(step)
+        drafter.lookup.tokens = 8  # the last chain was accepted whole: the answer repeats its context
+        drafter.draft(step)
+    finally:
+        drafter.guard = DraftGuard()
+    repeating = ("repeating", ("lookup", "root")) if situation != "no match" else ("no match", ("heads", "root"))
+    assert guard.situations == [(situation, ("heads", "root") if situation == "no match" else None), repeating]

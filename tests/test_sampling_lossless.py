@@ -145,9 +145,10 @@ class TakingTurns:
     def begin(self, key, modes, label=""):
         self.modes = modes
 
-    def pick(self):
+    def pick(self, situation="", modes=None):
         self.turn += 1
-        return self.modes[self.turn % len(self.modes)]
+        mode = self.modes[self.turn % len(self.modes)]
+        return mode if modes is None or mode in modes else modes[-1]  # e.g. no chain found: no "lookup"
 
     def record(self, mode, tokens, seconds):
         pass
