@@ -14,7 +14,8 @@ the settings in use the guard keeps each mode's latest steps (tokens emitted, se
 drafting to the accepted path), picks the mode with the most tokens per second, and now
 and then tries another one, so the choice follows the answer and the machine (a busy
 machine slows every mode alike). Statistics are kept per sampling settings and tree,
-across generations, so a chat learns once per setting.
+across generations, so a chat learns once per setting, and per kind of step the drafter
+names (`pick(situation)`: e.g. how long a match its context lookup found).
 
 Lossless whatever it picks: the target verifies any tree against its own choices
 (verify.accept), so a mode changes how many passes an answer takes, never its tokens or
@@ -131,7 +132,8 @@ class DraftGuard:
         return self.choices[key]
 
     def summary(self) -> list[dict]:
-        """Per key and situation: each mode's steps all told, and its tokens per step and per second lately."""
+        """Per key and situation met so far: each mode's steps all told, and its tokens per step and
+        per second lately."""
         return [{"key": choice.label, "modes": {mode: {"steps": choice.taken[mode], "tokens_per_step": r.tokens_per_step(),
                                                    "tokens_per_s": r.rate()} for mode, r in choice.records.items()}}
-                for choice in self.choices.values()]
+                for choice in self.choices.values() if any(choice.taken.values())]
