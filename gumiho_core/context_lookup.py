@@ -58,6 +58,53 @@ def continuation(context: torch.Tensor, length: int, max_ngram: int = 3, min_ngr
     return look_up(context, length, max_ngram, min_ngram).tokens
 
 
+class ContextIndex:
+    """look_up's answers for a context that only grows, without rescanning it: the latest end
+    of every 1..max_ngram-token run, kept as tokens arrive.
+
+    The drafter looks up at every step, the root-alone ones too (the match names the kind of
+    step for the draft guard); look_up's scan of the whole context cost 0.2-0.5 ms a step at
+    chat lengths, 3-4 % of a one-token pass. Runs ending at the last token are indexed only
+    when the next token comes, so the tail never finds itself.
+    """
+
+    def __init__(self, max_ngram: int = 3):
+        self.max_ngram = max_ngram
+        self.tokens: list[int] = []
+        self.latest: dict[tuple[int, ...], int] = {}  # run -> index of its last token
+
+    def reset(self, tokens: list[int]) -> None:
+        self.tokens, self.latest = [], {}
+        self.extend(tokens)
+
+    def extend(self, tokens: list[int]) -> None:
+        for token in tokens:
+            end = len(self.tokens) - 1  # the runs ending at the current last token join now
+            for n in range(1, min(self.max_ngram, end + 1) + 1):
+                self.latest[tuple(self.tokens[end - n + 1 : end + 1])] = end
+            self.tokens.append(token)
+
+    def follow(self, context: torch.Tensor) -> None:
+        """Catch up with `context`: the tokens so far and more, as within a generation (checked
+        at the last known token only: a wrong guess could only cost speed); else afresh."""
+        known = len(self.tokens)
+        if 0 < known <= len(context) and int(context[known - 1]) == self.tokens[-1]:
+            self.extend(context[known:].tolist())
+        else:
+            self.reset(context.tolist())
+
+    def look_up(self, length: int, min_ngram: int = 1) -> Chain:
+        """As look_up(context, length, self.max_ngram, min_ngram) on the tokens so far."""
+        tokens = self.tokens
+        for n in range(self.max_ngram, min_ngram - 1, -1):
+            if len(tokens) <= n:
+                continue
+            end = self.latest.get(tuple(tokens[-n:]))
+            if end is not None:
+                return Chain(tokens[end + 1 : end + 1 + length], n)
+        return Chain([], 0)
+
+
 class LookupLength:
     """How many tokens to look up this step, from how the last chain fared.
 

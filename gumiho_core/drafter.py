@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .context_lookup import Chain, LookupLength, look_up
+from .context_lookup import Chain, ContextIndex, LookupLength
 from .cpu_matmul import pack_for_rows
 from .draft_guard import DraftGuard
 from .draft_tree import DraftTree, build_draft_tree
@@ -82,7 +82,7 @@ class GumihoDrafter(Drafter):
     """The Gumiho heads, with the context-lookup branch (context_lookup.py) added to their tree.
 
     It owns everything that only drafting needs: the heads, the serial head's cache, the
-    draft-vocabulary projection, and the lookup's length. Its cache is kept between
+    draft-vocabulary projection, the lookup's length and its index of the context. Its cache is kept between
     generations for the tokens the next prompt shares with what it read.
 
     Under sampling it drafts only as far as drafting pays (draft_guard.py): each step is
@@ -109,6 +109,7 @@ class GumihoDrafter(Drafter):
         self.read = torch.zeros(0, dtype=torch.long)
         self.tree = TreeSettings()
         self.lookup = LookupLength(0)
+        self.index = ContextIndex()  # the context's runs, for the lookup at every step
         self.chain: list[int] = []  # the looked-up tokens offered in this step's tree
         self.guard: DraftGuard | None = DraftGuard()
         self.guarded = False  # the guard picks this generation's modes (sampling only)
@@ -118,6 +119,7 @@ class GumihoDrafter(Drafter):
     def begin(self, prompt_ids: list[int], shared: int, settings: GenerationSettings) -> None:
         self.tree = settings.tree
         self.lookup, self.chain = LookupLength(self.tree.lookup_tokens), []
+        self.index.reset(prompt_ids)
         self.guarded = self.guard is not None and (not settings.sampling.greedy or self.tree.guard_greedy)
         if self.guarded:
             self._guard_begin(settings)
@@ -160,7 +162,10 @@ class GumihoDrafter(Drafter):
         if step.room < 1:
             self.mode = "root"
             return root_only
-        found = look_up(step.context, min(self.lookup.tokens, step.room)) if self.lookup.tokens else None
+        found = None
+        if self.lookup.tokens:
+            self.index.follow(step.context)
+            found = self.index.look_up(min(self.lookup.tokens, step.room))
         self.mode = self._pick_mode(found)
         if self.mode == "root":
             return root_only

@@ -120,3 +120,23 @@ def test_lookup_length_grows_on_whole_chains_shrinks_on_refusals_and_resets_othe
     off = LookupLength(0)
     off.update(0, 0)
     assert off.tokens == 0
+
+
+def test_the_context_index_answers_as_the_scan_does_as_the_context_grows():
+    """ContextIndex (the drafter's lookup at every step) gives look_up's chain and match at every
+    length of a growing context, whether it is extended a token or a stretch at a time."""
+    from gumiho_core.context_lookup import ContextIndex, look_up
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(30):
+        context = torch.randint(0, 4 + trial % 5, (60,), generator=g)  # few symbols: many repeats
+        index = ContextIndex()
+        index.reset(context[:1].tolist())
+        end = 1
+        while end < len(context):
+            end = min(len(context), end + 1 + trial % 3)
+            index.follow(context[:end])
+            for length, min_ngram in ((4, 1), (2, 2), (16, 1)):
+                assert index.look_up(length, min_ngram) == look_up(context[:end], length, 3, min_ngram), (trial, end)
+    index.follow(torch.tensor([9, 8, 9]))  # another context altogether: starts afresh
+    assert index.tokens == [9, 8, 9] and index.look_up(4).tokens == [8, 9]
