@@ -88,9 +88,9 @@ class GumihoDrafter(Drafter):
     Under sampling it drafts only as far as drafting pays (draft_guard.py): each step is
     the full tree ("heads"), the root and a looked-up chain ("lookup"), or the root alone
     ("root", plain decoding's step), whichever gave the most tokens per second lately at
-    these settings in steps like this one: with no looked-up chain, with one whose source
-    matched 1, 2 or 3 context tokens (the longer the match, the likelier it is accepted), or
-    while the answer repeats its context (the last chain accepted whole). Under greedy decoding it drafts the full tree (unless the tree says
+    these settings (under greedy decoding: in steps like this one: with no looked-up chain,
+    with one whose source matched 1, 2 or 3 context tokens - the longer the match, the likelier
+    it is accepted - or while the answer repeats its context). Under greedy decoding it drafts the full tree (unless the tree says
     `guard_greedy`, as on AVX2-only CPUs, where rows are dear): the tree budget
     (tree_budget.py) measured what these heads are accepted at exactly that rule, and
     guarding greedy decoding too was measured slower (float32, mt_bench 20 x 256: 1.34x plain
@@ -112,7 +112,8 @@ class GumihoDrafter(Drafter):
         self.index = ContextIndex()  # the context's runs, for the lookup at every step
         self.chain: list[int] = []  # the looked-up tokens offered in this step's tree
         self.guard: DraftGuard | None = DraftGuard()
-        self.guarded = False  # the guard picks this generation's modes (sampling only)
+        self.guarded = False  # the guard picks this generation's modes
+        self.by_match = False  # ... judging each step by its looked-up chain's match (greedy)
         self.mode = "heads"  # this step's mode, and when its drafting started
         self.started = 0.0
 
@@ -121,6 +122,7 @@ class GumihoDrafter(Drafter):
         self.lookup, self.chain = LookupLength(self.tree.lookup_tokens), []
         self.index.reset(prompt_ids)
         self.guarded = self.guard is not None and (not settings.sampling.greedy or self.tree.guard_greedy)
+        self.by_match = settings.sampling.greedy
         if self.guarded:
             self._guard_begin(settings)
         # Below depth 1, drafting multiplies one row per beam (cpu_matmul.py).
@@ -182,10 +184,13 @@ class GumihoDrafter(Drafter):
         """The full tree unless guarded; else the guard's pick for a step like this one: no
         chain found (then "lookup" would be the root alone), the answer repeating its context
         (the last chain accepted whole: the chain goes alone, as draft() says, so "heads"
-        would be "lookup"), or a chain matched on 1, 2 or 3 context tokens."""
+        would be "lookup"), or a chain matched on 1, 2 or 3 context tokens. Under sampling one
+        record for all: chains are seldom accepted whole whatever their match (mt_bench,
+        temperature 1: 1.7 tokens a step even on 3-token matches, slower than the root alone),
+        and five records' trial steps cost more than they found (0.96x plain against 0.99x)."""
         if not self.guarded:
             return "heads"
-        if found is None:  # the lookup is off
+        if found is None or not self.by_match:  # the lookup is off, or sampling (below)
             return self.guard.pick()
         if not found.tokens:
             return self.guard.pick("no match", ("heads", "root"))
