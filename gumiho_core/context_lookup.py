@@ -11,11 +11,12 @@ looked-up ones in the same pass, and output stays exactly the target's.
 Measured on this project's bench answers (SmolLM2-135M greedy, 256 tokens; the analysis
 that chose the defaults is in docs/benchmarks.md): a match of 2-3 tokens is found at 23 % of the
 steps on mt_bench and then 3.9 tokens are accepted on average; a 1-token match is found at
-57 % but buys ~1 token. (int4, every position of 20 greedy answers per file, a chain of 4:
-3-token matches at 47-57 % of positions, 2.3-3.3 tokens accepted; 1-token ones 0.3-0.8.
-`look_up` says the match, so the draft guard can judge each kind of chain by its own record.) 1-token matches are still tried, because `LookupLength` shortens
+57 % but buys ~1 token. 1-token matches are still tried, because `LookupLength` shortens
 the chain after refusals, so a poor guess costs few tree rows (mt_bench, 10 prompts: tau
-2.76 -> 2.82 at the same verification cost).
+2.76 -> 2.82 at the same verification cost). In int4 (scripts/measure_lookup.py: every
+position of 20 greedy answers per file, a chain of 4) 3-token matches came at 47-57 % of
+positions with 2.3-3.3 tokens accepted, 1-token ones with 0.3-0.8: `look_up` says the
+match, so where rows are dear the draft guard judges each kind of chain by its own record.
 """
 from __future__ import annotations
 

@@ -82,15 +82,14 @@ class GumihoDrafter(Drafter):
     """The Gumiho heads, with the context-lookup branch (context_lookup.py) added to their tree.
 
     It owns everything that only drafting needs: the heads, the serial head's cache, the
-    draft-vocabulary projection, the lookup's length and its index of the context. Its cache is kept between
-    generations for the tokens the next prompt shares with what it read.
+    draft-vocabulary projection, the lookup's length and its index of the context. Its cache
+    is kept between generations for the tokens the next prompt shares with what it read.
 
     Under sampling it drafts only as far as drafting pays (draft_guard.py): each step is
     the full tree ("heads"), the root and a looked-up chain ("lookup"), or the root alone
     ("root", plain decoding's step), whichever gave the most tokens per second lately at
-    these settings (under greedy decoding: in steps like this one: with no looked-up chain,
-    with one whose source matched 1, 2 or 3 context tokens - the longer the match, the likelier
-    it is accepted - or while the answer repeats its context). Under greedy decoding it drafts the full tree (unless the tree says
+    these settings (where the guard decides greedy steps: lately in steps like this one, see
+    _pick_mode). Under greedy decoding it drafts the full tree (unless the tree says
     `guard_greedy`, as on AVX2-only CPUs, where rows are dear): the tree budget
     (tree_budget.py) measured what these heads are accepted at exactly that rule, and
     guarding greedy decoding too was measured slower (float32, mt_bench 20 x 256: 1.34x plain
@@ -190,7 +189,7 @@ class GumihoDrafter(Drafter):
         and five records' trial steps cost more than they found (0.96x plain against 0.99x)."""
         if not self.guarded:
             return "heads"
-        if found is None or not self.by_match:  # the lookup is off, or sampling (below)
+        if found is None or not self.by_match:  # the lookup is off, or sampling (as said above)
             return self.guard.pick()
         if not found.tokens:
             return self.guard.pick("no match", ("heads", "root"))
