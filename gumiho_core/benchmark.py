@@ -328,7 +328,7 @@ def _guard_lines(report: dict) -> list[str]:
     lines = []
     for entry in report.get("draft_guard", []):
         modes = entry["modes"]
-        total = sum(m["steps"] for m in modes.values())
+        total = sum(m["steps"] for m in modes.values()) or 1
         shares = ", ".join(f"{mode} {m['steps'] / total:.0%} ({m['tokens_per_step']:.2f} tok/step, "
                            f"{m['tokens_per_s']:.1f} tok/s lately)" for mode, m in modes.items())
         lines.append(f"draft guard, {entry['key']}: {shares} of {total} steps")

@@ -54,11 +54,6 @@ def look_up(context: torch.Tensor, length: int, max_ngram: int = 3, min_ngram: i
     return Chain([], 0)
 
 
-def continuation(context: torch.Tensor, length: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
-    """look_up's tokens alone."""
-    return look_up(context, length, max_ngram, min_ngram).tokens
-
-
 class ContextIndex:
     """look_up's answers for a context that only grows, without rescanning it: the latest end
     of every 1..max_ngram-token run, kept as tokens arrive.

@@ -283,15 +283,19 @@ AVX2 static inline void sums_16bit(const int16_t *w, const int8_t *hi, const int
     out[1] = _mm256_permute4x64_epi64(_mm256_hadd_epi32(s[2], s[3]), 0xD8);
 }
 
-/* A group's sums (int32, 256 x hi's + lo's) for 16 outputs into a row's float sums: the same
-   float steps as add_group, 8 lanes at a time. */
+/* A group's sums (int32, 256 x hi's + lo's) for 8 outputs into a row's float sums, given the
+   outputs' scales and lows: the one place AVX2 takes the float steps, add_group's lane by lane. */
+AVX2 static inline __m256 add_sums8(__m256 acc, __m256i sums, __m256 scale, __m256 low, float x_scale, float x_sum) {
+    __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(scale, _mm256_set1_ps(x_scale)), acc);
+    return _mm256_fmadd_ps(low, _mm256_set1_ps(x_sum), a);
+}
+
+/* The same for 16 outputs (both halves), their scales and lows read from the group's. */
 AVX2 static inline void add_group_avx2(__m256 acc[2], const __m256i sums[2], const uint16_t *scales, long at,
                                        float x_scale, float x_sum) {
-    for (int h = 0; h < 2; h++) {
-        __m256 scale = bf16x8_to_ps(scales + at * 32 + 8 * h), low = bf16x8_to_ps(scales + at * 32 + 16 + 8 * h);
-        __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[h]), _mm256_mul_ps(scale, _mm256_set1_ps(x_scale)), acc[h]);
-        acc[h] = _mm256_fmadd_ps(low, _mm256_set1_ps(x_sum), a);
-    }
+    for (int h = 0; h < 2; h++)
+        acc[h] = add_sums8(acc[h], sums[h], bf16x8_to_ps(scales + at * 32 + 8 * h),
+                           bf16x8_to_ps(scales + at * 32 + 16 + 8 * h), x_scale, x_sum);
 }
 
 /* One half (outputs 8h .. 8h + 7) of a group's 4-bit weights in 8 registers, tile rows 0..7:
@@ -330,8 +334,7 @@ AVX2 static void block4_avx2(const struct rows_q8 *x, int r0, int rows, const ui
             for (int r = 0; r < rows; r++) {
                 long row = (long)(r0 + r) * x->k + 32 * g, rg = (long)(r0 + r) * x->groups + g;
                 __m256i sums = half_sums_avx2(w, (const int32_t *)(x->hi + row), (const int32_t *)(x->lo + row));
-                __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(scale, _mm256_set1_ps(x->scale[rg])), acc[r][h]);
-                acc[r][h] = _mm256_fmadd_ps(low, _mm256_set1_ps(x->sum[rg]), a);
+                acc[r][h] = add_sums8(acc[r][h], sums, scale, low, x->scale[rg], x->sum[rg]);
             }
         }
 }

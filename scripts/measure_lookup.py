@@ -14,20 +14,12 @@ import torch
 
 from gumiho_core.benchmark import read_prompts
 from gumiho_core.context_lookup import look_up
+from gumiho_core.drafter import common_prefix_length
 from gumiho_core.generate import run_to_end
 from gumiho_core.loading import load_engine
 from gumiho_core.settings import GenerationSettings
 
 FILES = ("mt_bench", "humaneval", "gsm8k")
-
-
-def accepted(chain: list[int], truth: list[int]) -> int:
-    n = 0
-    for a, b in zip(chain, truth):
-        if a != b:
-            break
-        n += 1
-    return n
 
 
 def main(limit: int) -> None:
@@ -43,7 +35,7 @@ def main(limit: int) -> None:
                 positions += 1
                 found = look_up(full[:end], 4)
                 if found.tokens:
-                    n = accepted(found.tokens, full[end : end + 4].tolist())
+                    n = common_prefix_length(found.tokens, full[end : end + 4].tolist())
                     counts = by_match[found.match]
                     counts[0], counts[1], counts[2] = counts[0] + 1, counts[1] + n, counts[2] + (n == len(found.tokens))
         print(name, f"{positions} positions:", ", ".join(

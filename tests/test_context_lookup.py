@@ -1,6 +1,6 @@
 """Context lookup: the tokens that followed the context's tail before join the draft tree.
 
-The lookup itself (context_lookup.continuation), the merge into the tree
+The lookup itself (context_lookup.look_up), the merge into the tree
 (DraftTree.add_chain), and losslessness when looked-up tokens are verified and accepted.
 """
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from gumiho_core import Engine, GenerationSettings, TreeSettings, new_heads, run_to_end
-from gumiho_core.context_lookup import LookupLength, continuation
+from gumiho_core.context_lookup import LookupLength, look_up
 from gumiho_core.draft_tree import DraftTree
 from gumiho_core.drafter import RecordingDrafter
 from tiny import hf_greedy, random_prompts, tiny_target
@@ -16,6 +16,11 @@ from tiny import hf_greedy, random_prompts, tiny_target
 
 def ids(*tokens):
     return torch.tensor(tokens)
+
+
+def continuation(context, length, min_ngram=1):
+    """The looked-up tokens alone."""
+    return look_up(context, length, min_ngram=min_ngram).tokens
 
 
 def test_longest_tail_wins_and_latest_occurrence_among_equals():
@@ -125,7 +130,7 @@ def test_lookup_length_grows_on_whole_chains_shrinks_on_refusals_and_resets_othe
 def test_the_context_index_answers_as_the_scan_does_as_the_context_grows():
     """ContextIndex (the drafter's lookup at every step) gives look_up's chain and match at every
     length of a growing context, whether it is extended a token or a stretch at a time."""
-    from gumiho_core.context_lookup import ContextIndex, look_up
+    from gumiho_core.context_lookup import ContextIndex
 
     g = torch.Generator().manual_seed(0)
     for trial in range(30):
