@@ -4,14 +4,16 @@ The whole tree goes through the standard Hugging Face forward: a 4D attention ma
 each node see the cached context and its own ancestors only, position ids are context
 length + depth. `TargetPasses` runs those passes (and the prefill) at the row counts the
 CPU weight packs are prepared for (see its docstring). Acceptance then walks down from the
-root:
-- greedy: follow the child whose token is the target's argmax, as far as it goes;
-- sampling: multi-candidate speculative sampling. At each node the candidates (children,
-  best first) are tried in turn: candidate x is accepted with probability p(x); if not,
-  p(x) is set to 0 and p renormalised before the next one; if all are refused, the
-  target's token is sampled from what is left. The candidates do not depend on the
-  random draws at this node, so the token that comes out has exactly the distribution p
-  (the SpecInfer/EAGLE recursive-rejection argument with a point-mass draft).
+root: the target chooses its own token at each node exactly as plain decoding would at that
+position (the argmax, or one draw from its warped distribution), and the path goes on into
+the child drafted with that token, as far as it goes; the first choice no child holds is the
+bonus token. Every emitted token is thus the target's own choice given the tokens before it:
+the same tokens as plain decoding under greedy, the same distribution under sampling, and,
+since each emitted token takes exactly one draw from the seeded generator as in plain
+decoding, the same tokens for the same seed wherever the pass gives a node the logits plain
+decoding's one-row pass gives it (the CPU kernels: docs/fast_decoder.md). The chance to go
+on is the sum of the children's probabilities, as with recursive rejection sampling of
+point-mass drafts (SpecInfer, EAGLE), which this rule replaces at no cost in acceptance.
 Then only the KV entries of the root and the accepted path are kept (`keep_path_in_cache`;
 `crop_cache` is the one helper that cuts a cache back to a prefix).
 """
@@ -171,36 +173,23 @@ class TransformersCache:
 def accept(
     tree: DraftTree, logits: torch.Tensor, chooser: TokenChooser, context: torch.Tensor
 ) -> Acceptance:
-    """Walk the tree from the root with the target's decision rule."""
+    """Walk the tree from the root, following the target's own choice at each node."""
     tokens = tree.tokens.tolist()
     node, path = 0, [0]
-    greedy = chooser.settings.greedy
-    plain_argmax = greedy and chooser.settings.repetition_penalty == 1.0
-    if plain_argmax:  # one vectorised argmax for every node
-        choice = logits.argmax(-1).tolist()
+    argmax = None
+    if chooser.settings.greedy and chooser.settings.repetition_penalty == 1.0:
+        argmax = logits.argmax(-1).tolist()  # one vectorised argmax for every node
     while True:
-        node_context = torch.cat([context, tree.tokens[path[1:]].to(context.device)])
+        if argmax is not None:
+            choice = argmax[node]
+        else:  # the repetition penalty reads the node's own context: the tokens so far and its ancestors
+            node_context = torch.cat([context, tree.tokens[path[1:]].to(context.device)])
+            choice = chooser.choose(logits[node], node_context)
         kids = tree.children[node]
-        if greedy:
-            y = choice[node] if plain_argmax else chooser.greedy_token(logits[node], node_context)
-            nxt = next((c for c in kids if tokens[c] == y), None)
-            if nxt is None:
-                return Acceptance(path, y, [tokens[c] for c in kids])
-        else:
-            probs = chooser.probs(logits[node], node_context)
-            nxt, tried = None, []
-            for c in kids:
-                x = tokens[c]
-                if x in tried:  # already refused here: its probability is now 0
-                    continue
-                if chooser.uniform() < float(probs[x]):
-                    nxt = c
-                    break
-                tried.append(x)
-                probs[x] = 0.0
-                probs = probs / probs.sum()
-            if nxt is None:
-                return Acceptance(path, chooser.sample(probs), tried)
+        nxt = next((c for c in kids if tokens[c] == choice), None)
+        if nxt is None:
+            refused = dict.fromkeys(tokens[c] for c in kids)  # in draft order, each token once
+            return Acceptance(path, choice, list(refused))
         node = nxt
         path.append(node)
 

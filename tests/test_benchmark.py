@@ -56,6 +56,33 @@ def test_mismatch_is_reported_loudly(monkeypatch):
     assert "OUTPUT MISMATCHES" in format_table(report)
 
 
+def test_sampled_answers_of_the_engines_methods_are_compared_seed_for_seed(monkeypatch):
+    """Under sampling with a seed every engine method draws plain decoding's tokens (one draw
+    per token: verify.accept), so they are compared as under greedy; transformers' `generate`
+    draws from a generator of its own and is left out."""
+    from gumiho_core import benchmark as bm
+
+    target = tiny_target(seed=0, eos=False)
+    engine = Engine(target, new_heads(target))
+    settings = GenerationSettings(max_new_tokens=12, sampling=SamplingSettings(temperature=0.9, seed=4))
+    methods = ("plain", "gumiho", "gumiho-always", "hf")
+    report = benchmark(engine, {"t": ["w5 w6 w7", "w9 w10"]}, settings, methods=methods, log=lambda s: None)
+    assert report["benchmarks"]["t"]["mismatches"] == []
+    assert "outputs identical across the engine's methods" in format_table(report)
+    real = bm.run_method
+
+    def wrong(method, *a, **k):
+        run = real(method, *a, **k)
+        if method == "gumiho-always":
+            run.tokens[-1] = (run.tokens[-1] + 1) % 90
+        return run
+
+    monkeypatch.setattr(bm, "run_method", wrong)
+    report = benchmark(engine, {"t": ["w5 w6 w7"]}, settings, methods=methods, log=lambda s: None)
+    assert report["benchmarks"]["t"]["mismatches"] == [{"prompt": 0, "method": "gumiho-always"}]
+    assert "OUTPUT MISMATCHES" in format_table(report)
+
+
 def test_prompt_files(tmp_path):
     f = tmp_path / "p.jsonl"
     f.write_text('{"turns": ["a", "b"]}\n{"turns": ["c"]}\n')

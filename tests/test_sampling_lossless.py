@@ -1,19 +1,25 @@
 """Under sampling, speculative decoding must give exactly the target's distribution.
 
 Chi-square tests with fixed seeds: the correct acceptance rule passes, a deliberately
-broken one (accepting a candidate with probability min(1, 2p) instead of p) fails.
+broken one (a drafted token taken where either of two draws picks it) fails. And since each
+emitted token takes one draw, as in plain decoding, the tokens themselves are plain
+decoding's for the same seed.
 """
 from __future__ import annotations
+
+import random
 
 import pytest
 import torch
 
 from gumiho_core import Engine, GenerationSettings, SamplingSettings, TreeSettings, new_heads, run_to_end
+from gumiho_core import generate as generate_module
 from gumiho_core.draft_tree import DraftTree
 from gumiho_core.drafter import RecordingDrafter
 from gumiho_core.sampling import TokenChooser, apply_repetition_penalty, warp
-from gumiho_core.verify import accept
-from tiny import tiny_target
+from gumiho_core.verify import Acceptance, accept
+from test_engine_lossless import OracleDrafter
+from tiny import random_prompts, tiny_target
 
 
 def chi2_critical(df: int, z: float = 3.09) -> float:
@@ -36,12 +42,24 @@ def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
     return float(stat), cells - 1
 
 
+def over_accepting(tree, logits, chooser, context) -> Acceptance:
+    """A wrong rule: a drafted token is taken where either of two draws picks it."""
+    tokens, node, path = tree.tokens.tolist(), 0, [0]
+    while True:
+        probs = chooser.probs(logits[node], context)
+        draws = [chooser.sample(probs), chooser.sample(probs)]
+        taken = [c for c in tree.children[node] if tokens[c] in draws]
+        if not taken:
+            return Acceptance(path, draws[0], [])
+        node = taken[0]
+        path.append(node)
+
+
 def _broken(monkeypatch):
-    real = TokenChooser.uniform
-    monkeypatch.setattr(TokenChooser, "uniform", lambda self: real(self) / 2)
+    monkeypatch.setattr(generate_module, "accept", over_accepting)
 
 
-def first_token_counts(n_samples: int, vocab: int = 8, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def first_token_counts(n_samples: int, vocab: int = 8, seed: int = 0, rule=accept) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(4, vocab, generator=g) * 1.5
     # root -> candidates 3, 1, 5 (best first); node of 3 -> candidate 2
@@ -51,7 +69,7 @@ def first_token_counts(n_samples: int, vocab: int = 8, seed: int = 0) -> tuple[t
     counts = torch.zeros(vocab)
     tokens = tree.tokens.tolist()
     for _ in range(n_samples):
-        result = accept(tree, logits, chooser, torch.tensor([], dtype=torch.long))
+        result = rule(tree, logits, chooser, torch.tensor([], dtype=torch.long))
         first = tokens[result.path[1]] if len(result.path) > 1 else result.bonus
         counts[first] += 1
     return counts, torch.softmax(logits[0], -1)
@@ -63,9 +81,8 @@ def test_accept_rule_reproduces_target_distribution():
     assert stat < chi2_critical(df), (stat, counts, probs * counts.sum())
 
 
-def test_broken_accept_rule_is_detected(monkeypatch):
-    _broken(monkeypatch)
-    counts, probs = first_token_counts(20000)
+def test_broken_accept_rule_is_detected():
+    counts, probs = first_token_counts(20000, rule=over_accepting)
     stat, df = chi_square(counts, probs)
     assert stat > chi2_critical(df), "a rule that over-accepts drafts must fail this test"
 
@@ -207,3 +224,65 @@ def test_greedy_repetition_penalty_matches_hf_generate():
         torch.tensor([prompt]), max_new_tokens=20, do_sample=False, repetition_penalty=1.4, pad_token_id=0
     )[0, len(prompt):].tolist()
     assert spec.token_ids == ref
+
+
+# -- the same seed, the same tokens ---------------------------------------------------------
+
+
+def test_sampled_speculative_tokens_equal_plain_decodings_for_the_same_seed():
+    """Each emitted token is the target's one draw at its position, whatever the tree: long
+    accepted paths (an oracle drafting plain decoding's own answer, corrupted at random depths)
+    and the engine's heads with the lookup give plain decoding's tokens, seed for seed."""
+    target = tiny_target(seed=6, eos=False, vocab=96, std=0.4)
+    engine = Engine(target, new_heads(target))
+    engine.drafter.guard = None  # every step drafts its tree
+    oracle, taken = OracleDrafter(), 0
+    for i, prompt in enumerate(random_prompts(6, seed=21, vocab=96)):
+        sampling = SamplingSettings(temperature=[0.6, 1.0, 1.3][i % 3], top_p=[1.0, 0.9][i % 2], seed=i,
+                                    repetition_penalty=[1.0, 1.2][i % 2])
+        settings = GenerationSettings(max_new_tokens=40, sampling=sampling,
+                                      tree=TreeSettings(top_k=3, total_tokens=8, depth=3, lookup_tokens=4))
+        plain = run_to_end(engine, prompt, settings.with_(speculative=False))
+        oracle.update(truth=plain.token_ids + [5] * 8, rng=random.Random(i), size=10, depth=1 + i % 5)
+        with_oracle = run_to_end(engine, prompt, settings, drafter=oracle)
+        with_heads = run_to_end(engine, prompt + prompt, settings)  # repeats itself: the lookup finds chains
+        assert with_oracle.token_ids == plain.token_ids
+        assert with_heads.token_ids == run_to_end(engine, prompt + prompt, settings.with_(speculative=False)).token_ids
+        taken += with_oracle.stats.new_tokens - with_oracle.stats.forward_passes
+    assert taken > 60, "the oracle's drafts should have been taken often"
+
+
+def test_a_draw_takes_one_number_and_never_an_impossible_token():
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.2, 0.3, 0.0])
+    chooser = TokenChooser(SamplingSettings(temperature=1.0, seed=3))
+    counts = torch.zeros(6)
+    for _ in range(6000):
+        counts[chooser.sample(probs)] += 1
+    assert counts[probs == 0].sum() == 0
+    stat, df = chi_square(counts[probs > 0], probs[probs > 0])
+    assert stat < chi2_critical(df), (stat, counts)
+    # one uniform per token, whatever the distribution: two choosers stay in step
+    a, b = (TokenChooser(SamplingSettings(temperature=1.0, seed=9)) for _ in range(2))
+    for spread in (0.1, 1.0, 10.0, 100.0):
+        a.sample(torch.softmax(torch.randn(50) * spread, -1))
+        b.sample(torch.softmax(torch.randn(50000) / spread, -1))
+        assert torch.equal(a.generator.get_state(), b.generator.get_state())
+
+
+@pytest.mark.parametrize("top_p", [0.3, 0.8, 0.95, 0.999])
+def test_top_p_keeps_what_transformers_keeps_on_a_large_vocabulary(top_p):
+    """Peaked and flat distributions over 20000 tokens: the kept set is found among the most
+    likely few or after growing the candidates several times, and is the one transformers
+    keeps but at a token where the mass of the more likely ones is within float32 rounding
+    of top_p (transformers adds 20000 float32 numbers up)."""
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    g = torch.Generator().manual_seed(int(top_p * 1000))
+    for spread in (0.05, 0.5, 2.0, 8.0):
+        logits = torch.randn(20000, generator=g) * spread
+        ours = torch.isinf(warp(logits, SamplingSettings(temperature=1.0, top_p=top_p)))
+        ref = torch.isinf(TopPLogitsWarper(top_p)(None, logits[None].clone())[0])
+        probs = logits.double().softmax(-1)
+        above = {int(t): float(probs[probs > probs[t]].sum()) for t in torch.nonzero(ours != ref)}
+        assert all(abs(mass - top_p) < 1e-5 for mass in above.values()), (spread, above)
+        assert len(above) <= 2
