@@ -163,13 +163,14 @@ class GumihoDrafter(Drafter):
         if step.room < 1:
             self.mode = "root"
             return root_only
-        found = None
-        if self.lookup.tokens:
-            self.index.follow(step.context)
-            found = self.index.look_up(min(self.lookup.tokens, step.room))
+        # Greedy steps are judged by what the lookup found; sampled ones all alike, so there
+        # the guard picks first and a root step skips the lookup.
+        found = self._look_up(step) if self.by_match or not self.guarded else None
         self.mode = self._pick_mode(found)
         if self.mode == "root":
             return root_only
+        if found is None:
+            found = self._look_up(step)
         self.chain = found.tokens if found is not None else []
         if self.mode == "lookup" or (self.chain and self.lookup.repeating):
             # Either the guard found the heads not worth their cost lately, or the answer is
@@ -178,6 +179,13 @@ class GumihoDrafter(Drafter):
             # at its next turn.
             return root_only.add_chain(self.chain)
         return self._heads_tree(step).add_chain(self.chain)
+
+    def _look_up(self, step: DraftStep) -> Chain | None:
+        """The chain the context lookup offers at this step (None: the lookup is off)."""
+        if not self.lookup.tokens:
+            return None
+        self.index.follow(step.context)
+        return self.index.look_up(min(self.lookup.tokens, step.room))
 
     def _pick_mode(self, found: Chain | None) -> str:
         """The full tree unless guarded; else the guard's pick for a step like this one: no
