@@ -13,7 +13,9 @@ and a looked-up chain, no heads; "root": the root alone, i.e. plain decoding's s
 the settings in use the guard keeps each mode's latest steps (tokens emitted, seconds from
 drafting to the accepted path), picks the mode with the most tokens per second, and now
 and then tries another one, so the choice follows the answer and the machine (a busy
-machine slows every mode alike). Statistics are kept per sampling settings and tree,
+machine slows every mode alike). Tries get rarer while they change nothing, and a mode
+whose steps lose much (a heads step after a stretch of root steps: the serial head reads
+all it skipped) is tried only once its loss is a small share of the time since. Statistics are kept per sampling settings and tree,
 across generations, so a chat learns once per setting, and per kind of step the drafter
 names (`pick(situation)`: e.g. how long a match its context lookup found).
 
@@ -34,6 +36,11 @@ PROBE_EVERY = 16  # steps of the best mode before the first try of another one
 # tokens against 19 ms for 1), and 1 try in 17 steps cost ~2% of the answer's speed.
 PROBE_EVERY_MAX = 256
 RESET_MARGIN = 1.5  # a try this much faster than the best lately brings the next tries closer
+# And a mode is tried only when the time since its last try is this many times what a step of
+# it loses lately against the best: a dear try waits longer. A heads step after a stretch of
+# root steps pays for the serial head reading what it skipped (int4, temperature 1: 40-45 ms
+# against 11 for a root step); tried every 256 steps, that cost ~2% of the answer's speed.
+TRY_EVERY_LOSS = 100
 
 
 @dataclass
@@ -63,7 +70,8 @@ class ModeChoice:
         self.taken = dict.fromkeys(modes, 0)  # steps in each mode, all told (for reports)
         self.since_probe = 0
         self.probe_every, self.last_best = PROBE_EVERY, ""
-        self.next_probe = 0  # which of the other modes the next try goes to, in turn
+        self.next_probe = 0  # where in `modes` the turn of the next try starts
+        self.since_tried = dict.fromkeys(modes, 0.0)  # seconds of steps since each mode's last step
 
     def best(self) -> str:
         # Ties go to the cheaper mode (later in the list): it risks less if both are even.
@@ -72,9 +80,13 @@ class ModeChoice:
     def add(self, mode: str, tokens: int, seconds: float) -> None:
         self.records[mode].add(tokens, seconds)
         self.taken[mode] += 1
+        for other in self.modes:
+            self.since_tried[other] += seconds
+        self.since_tried[mode] = 0.0
         best = self.records.get(self.last_best)  # none while every mode is first timed
         if best is not None and mode != self.last_best and tokens > RESET_MARGIN * best.rate() * seconds:
-            self.probe_every = PROBE_EVERY  # a try beat the best clearly: try again soon
+            # A try beat the best clearly: try again soon, whatever its steps cost before.
+            self.probe_every, self.since_tried[mode] = PROBE_EVERY, float("inf")
 
     def pick(self) -> str:
         for mode in self.modes:  # every mode is timed first, dearest (most speculative) first
@@ -86,12 +98,23 @@ class ModeChoice:
         self.since_probe += 1
         if self.since_probe <= self.probe_every or len(self.modes) == 1:
             return best
+        in_turn = [self.modes[(self.next_probe + i) % len(self.modes)] for i in range(len(self.modes))]
+        due = [mode for mode in in_turn
+               if mode != best and self.since_tried[mode] >= TRY_EVERY_LOSS * self.loss(mode, best)]
+        if not due:  # every other mode's try would cost too much yet
+            return best
         self.since_probe = 0
         self.probe_every = min(2 * self.probe_every, PROBE_EVERY_MAX)
-        others = [mode for mode in self.modes if mode != best]
-        probe = others[self.next_probe % len(others)]
-        self.next_probe += 1
-        return probe
+        self.next_probe = self.modes.index(due[0]) + 1  # the next try starts after this one, in turn
+        return due[0]
+
+    def loss(self, mode: str, best: str) -> float:
+        """Seconds a step of `mode` took lately beyond what `best` takes for the same tokens."""
+        steps, best_rate = self.records[mode].steps, self.records[best].rate()
+        if not steps or best_rate <= 0:
+            return 0.0
+        extra = sum(seconds - tokens / best_rate for tokens, seconds in steps)
+        return max(0.0, extra / len(steps))
 
 
 class DraftGuard:

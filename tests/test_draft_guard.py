@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from gumiho_core import Engine, GenerationSettings, SamplingSettings, TreeSettings, new_heads, run_to_end
-from gumiho_core.draft_guard import FIRST_STEPS, PROBE_EVERY, PROBE_EVERY_MAX, DraftGuard, ModeChoice
+from gumiho_core.draft_guard import FIRST_STEPS, PROBE_EVERY, PROBE_EVERY_MAX, TRY_EVERY_LOSS, DraftGuard, ModeChoice
 from gumiho_core.drafter import RecordingDrafter
 from tiny import VOCAB, tiny_target
 
@@ -42,8 +42,29 @@ def test_the_wait_between_tries_stops_doubling_and_starts_over_when_the_best_cha
     gaps = [b - a - 1 for a, b in zip(tries, tries[1:])]
     assert max(gaps) == PROBE_EVERY_MAX and gaps[-1] == PROBE_EVERY_MAX
     assert choice.probe_every == PROBE_EVERY_MAX
-    feed(choice, {"heads": 4, "root": 1}, {"heads": 1.0, "root": 1.0}, PROBE_EVERY_MAX + 30)  # drafting pays now
+    feed(choice, {"heads": 4, "root": 1}, {"heads": 1.0, "root": 1.0}, 2 * PROBE_EVERY_MAX)  # drafting pays now
     assert choice.best() == "heads" and choice.probe_every < PROBE_EVERY_MAX
+
+
+def test_a_dear_try_waits_until_its_loss_is_a_small_share_of_the_time():
+    """A heads step losing 2 s against the root (the serial head's catch-up, say) is tried only
+    after 100x that of other steps, so tries cost ~1% of the time; a cheap try (lookup, losing
+    0.1 s) still comes when the step count says."""
+    choice = ModeChoice(MODES)
+    tokens, seconds = {"heads": 1, "lookup": 1, "root": 1}, {"heads": 3.0, "lookup": 1.1, "root": 1.0}
+    picked = feed(choice, tokens, seconds, 3 * FIRST_STEPS + 3000)[3 * FIRST_STEPS :]
+    clock, last, waits = 0.0, {"heads": None, "lookup": None}, {"heads": [], "lookup": []}
+    for mode in picked:
+        if mode != "root":
+            if last[mode] is not None:
+                waits[mode].append(clock - last[mode])
+            last[mode] = clock + seconds[mode]
+        clock += seconds[mode]
+    assert waits["heads"] and min(waits["heads"]) >= TRY_EVERY_LOSS * 2.0
+    tries = [mode for mode in picked if mode != "root"]
+    assert tries[:3] == ["lookup"] * 3  # the cheap try is not held back while the dear one waits
+    lost = picked.count("heads") * 2.0 + picked.count("lookup") * 0.1
+    assert lost / clock < 0.015
 
 
 def test_even_modes_go_to_the_cheaper_one():
