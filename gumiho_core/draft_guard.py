@@ -15,9 +15,10 @@ drafting to the accepted path), picks the mode with the most tokens per second, 
 and then tries another one, so the choice follows the answer and the machine (a busy
 machine slows every mode alike). Tries get rarer while they change nothing, and a mode
 whose steps lose much (a heads step after a stretch of root steps: the serial head reads
-all it skipped) is tried only once its loss is a small share of the time since. Statistics are kept per sampling settings and tree,
-across generations, so a chat learns once per setting, and per kind of step the drafter
-names (`pick(situation)`: e.g. how long a match its context lookup found).
+all it skipped) is tried only once its loss is a small share of the time since. Statistics
+are kept per sampling settings and tree, across generations, so a chat learns once per
+setting, and per kind of step the drafter names (`pick(situation)`: e.g. how long a match
+its context lookup found).
 
 Lossless whatever it picks: the target verifies any tree against its own choices
 (verify.accept), so a mode changes how many passes an answer takes, never its tokens or
@@ -36,7 +37,7 @@ PROBE_EVERY = 16  # steps of the best mode before the first try of another one
 # tokens against 19 ms for 1), and 1 try in 17 steps cost ~2% of the answer's speed.
 PROBE_EVERY_MAX = 256
 RESET_MARGIN = 1.5  # a try this much faster than the best lately brings the next tries closer
-# And a mode is tried only when the time since its last try is this many times what a step of
+# And a mode is tried only when the time since its last step is this many times what a step of
 # it loses lately against the best: a dear try waits longer. A heads step after a stretch of
 # root steps pays for the serial head reading what it skipped (int4, temperature 1: 40-45 ms
 # against 11 for a root step); tried every 256 steps, that cost ~2% of the answer's speed.
