@@ -28,7 +28,7 @@ def test_benchmark_report_on_a_tiny_target():
     assert sum(r["new_tokens"] for r in gumiho["per_prompt"]) / sum(
         r["forward_passes"] for r in gumiho["per_prompt"]) == pytest.approx(gumiho["tau"])
     assert bench["methods"]["hf"]["per_prompt"][0]["forward_passes"] is None
-    assert bench["methods"]["plain"]["speedup_vs_plain"] == 1.0
+    assert bench["methods"]["plain"]["speedup_vs_plain"] == bench["methods"]["plain"]["speedup_vs_plain_paired"] == 1.0
     assert bench["methods"]["plain"]["tau"] == 1.0
     table = format_table(report)
     assert "| gumiho |" in table and "| gumiho-heads |" in table and "outputs identical" in table
@@ -81,6 +81,19 @@ def test_sampled_answers_of_the_engines_methods_are_compared_seed_for_seed(monke
     report = benchmark(engine, {"t": ["w5 w6 w7"]}, settings, methods=methods, log=lambda s: None)
     assert report["benchmarks"]["t"]["mismatches"] == [{"prompt": 0, "method": "gumiho-always"}]
     assert "OUTPUT MISMATCHES" in format_table(report)
+
+
+def test_each_prompt_is_also_compared_with_plain_on_the_same_prompt():
+    """The ratio of medians mixes prompts of different speeds; the paired ratio does not."""
+    from gumiho_core.benchmark import Run, summarise
+
+    def runs(rates):
+        return [Run(tokens=[0] * 10, seconds=10 / rate) for rate in rates]
+
+    report = summarise({"plain": runs([10, 20, 100]), "gumiho": runs([20, 21, 110])}, {"plain": 0, "gumiho": 0}, [])
+    gumiho = report["methods"]["gumiho"]
+    assert gumiho["speedup_vs_plain"] == pytest.approx(21 / 20)
+    assert gumiho["speedup_vs_plain_paired"] == pytest.approx(1.1)  # of 2.0, 1.05 and 1.1
 
 
 def test_prompt_files(tmp_path):
