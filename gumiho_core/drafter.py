@@ -110,6 +110,7 @@ class GumihoDrafter(Drafter):
         self.lookup = LookupLength(0)
         self.index = ContextIndex()  # the context's runs, for the lookup at every step
         self.chain: list[int] = []  # the looked-up tokens offered in this step's tree
+        self.repeating = False  # ... after a chain accepted whole in the step before
         self.guard: DraftGuard | None = DraftGuard()
         self.guarded = False  # the guard picks this generation's modes
         self.by_match = False  # ... judging each step by its looked-up chain's match (greedy)
@@ -158,6 +159,10 @@ class GumihoDrafter(Drafter):
         """Look up a chain in the context, feed the serial head what it has not read yet,
         and draft below the root (as far as this step's mode goes)."""
         self.started = time.perf_counter()
+        # The answer repeats its context while each step's chain is accepted whole: a step
+        # without one (the root alone, or no match) ends the run for the guard's records,
+        # though LookupLength keeps the chain's grown length for the next one.
+        self.repeating = bool(self.chain) and self.lookup.repeating
         self.chain = []
         root_only = DraftTree.root_only(step.root, step.context.device)
         if step.room < 1:
@@ -172,7 +177,7 @@ class GumihoDrafter(Drafter):
         if found is None:
             found = self._look_up(step)
         self.chain = found.tokens if found is not None else []
-        if self.mode == "lookup" or (self.chain and self.lookup.repeating):
+        if self.mode == "lookup" or (self.chain and self.repeating):
             # Either the guard found the heads not worth their cost lately, or the answer is
             # repeating the context and the last chain was accepted whole (the heads would
             # cost more than their branch gains). The serial head reads the tokens it missed
@@ -201,7 +206,7 @@ class GumihoDrafter(Drafter):
             return self.guard.pick()
         if not found.tokens:
             return self.guard.pick("no match", ("heads", "root"))
-        if self.lookup.repeating:
+        if self.repeating:
             return self.guard.pick("repeating", ("lookup", "root"))
         return self.guard.pick(f"{found.match}-token match")
 

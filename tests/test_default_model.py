@@ -110,3 +110,22 @@ def test_the_default_engine_runs_on_the_fast_decoder_alone():
     assert "Tokyo" in run_to_end(engine, ids, GenerationSettings(max_new_tokens=12)).text
     with pytest.raises(GumihoError, match="transformers' layers released"):
         run_target(target, None, torch.tensor(ids), torch.arange(len(ids)))
+
+
+def test_sampled_speculative_answers_are_plain_decodings_for_the_same_seed():
+    """The default engine (int4 kernels that compute each row alone) drafting every step at
+    temperature 0.8: each answer is plain decoding's, token for token, for the same seed."""
+    from gumiho_core.loading import load_engine
+    from gumiho_core.settings import SamplingSettings
+
+    engine, _ = load_engine(None, None)
+    engine.drafter.guard = None  # every step drafts the heads' tree and the lookup's chain
+    drafted = 0
+    for seed, prompt in enumerate(PROMPTS):
+        ids = engine.target.chat_prompt([{"role": "user", "content": prompt}])
+        settings = GenerationSettings(max_new_tokens=48, sampling=SamplingSettings(temperature=0.8, seed=seed))
+        spec = run_to_end(engine, ids, settings, reuse_prefix=False)
+        plain = run_to_end(engine, ids, settings.with_(speculative=False), reuse_prefix=False)
+        assert spec.token_ids == plain.token_ids
+        drafted += spec.stats.new_tokens - spec.stats.forward_passes
+    assert drafted > 10, "drafts should have been taken, or this compares plain with plain"

@@ -220,7 +220,8 @@ def test_switching_modes_mid_answer_keeps_the_answer(engine):
 def test_the_guard_judges_each_step_by_how_long_a_match_the_lookup_found(engine):
     """The drafter tells the guard, before each step, what kind of step it is: no chain found
     (no "lookup" mode offered: the root alone would be that step), a chain matched on 1-3
-    context tokens, or the answer repeating its context (the last chain accepted whole)."""
+    context tokens, or the answer repeating its context (the chain of the step before accepted
+    whole)."""
     from gumiho_core.context_lookup import LookupLength, look_up
 
     prompt = [3, 4, 5, 3, 4, 5, 3, 4]
@@ -234,12 +235,14 @@ def test_the_guard_judges_each_step_by_how_long_a_match_the_lookup_found(engine)
     finally:
         engine.drafter.guard = DraftGuard()
     emitted, length, seen = 1, LookupLength(4), set()  # the prefill's token; the drafter's chain rule
+    chained = False  # whether the step before offered a chain
     for (situation, modes), (drafted, path) in zip(guard.situations, recorder.steps):
         found = look_up(torch.tensor(prompt + done.token_ids[:emitted]), 4)
+        repeating, chained = chained and length.repeating, bool(found.tokens)
         if not found.tokens:
             assert (situation, modes) == ("no match", ("heads", "root")) and len(drafted) == 1
         else:
-            expected = ("repeating", ("lookup", "root")) if length.repeating else (f"{found.match}-token match", None)
+            expected = ("repeating", ("lookup", "root")) if repeating else (f"{found.match}-token match", None)
             assert (situation, modes) == expected
             assert drafted.sources[1:] and set(drafted.sources[1:]) == {"lookup"}
             length.update(len(path) - 1, len(drafted) - 1)  # the root and the chain alone
