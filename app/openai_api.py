@@ -7,7 +7,7 @@ fields it does not know, take `true` for 1, and fail on an infinite number (1e40
 Honoured: `model` (the served model's id, or "default"), `messages` (roles system /
 developer, user, assistant; content a string or a list of text parts), `temperature`,
 `top_p`, `max_tokens` / `max_completion_tokens`, `stop` (a string or up to 4), `seed`
-(refused with sampling and speculation on: the engine's drafting is not seeded yet),
+(with sampling and speculation on, refused where the engine's passes are not row-invariant),
 `stream` (usage always comes in the last chunk, so `stream_options` is accepted as is),
 `user` (accepted, not used). `n`, `frequency_penalty`, `presence_penalty` and `logprobs`
 are accepted only at their no-op values (1, 0, 0, false). Anything else is a 400 naming the
@@ -279,10 +279,12 @@ class Reply:
             settings = service.settings(req.options).with_(stop_strings=req.stop)
             if req.seed is not None:
                 settings = settings.with_(sampling=replace(settings.sampling, seed=req.seed))
-                if settings.speculative and not settings.sampling.greedy:
-                    # The engine's drafting draws from an unseeded generator: same seed, other answers.
-                    raise GumihoError("seed does not make sampling repeatable with speculative decoding yet: "
-                                      'send "speculative": false with it')
+                if settings.speculative and not settings.sampling.greedy and \
+                        not service.engine.seed_repeats_drafted_sampling:
+                    # Here a tree pass may round a row otherwise than a one-token pass: a draw near
+                    # a boundary could go the other way, so the same seed would not repeat.
+                    raise GumihoError("seed does not make sampling repeatable with speculative decoding on "
+                                      'this engine: send "speculative": false with it')
             prompt_tokens = len(service.fit(req.options.system, req.history, settings.max_new_tokens)[0])
         except GumihoError as exc:
             raise ApiError(400, str(exc), param=_param_named(str(exc))) from None

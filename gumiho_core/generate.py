@@ -117,6 +117,15 @@ class Engine:
         self.drafter: Drafter = PlainDrafter() if heads is None else GumihoDrafter(target, self.heads)
         self.passes = TargetPasses(target)
 
+    @property
+    def seed_repeats_drafted_sampling(self) -> bool:
+        """Whether a seed repeats sampled answers with drafting on. Every emitted token is one
+        seeded draw (verify.accept), so the answer is plain decoding's for that seed wherever a
+        tree pass gives each row the bits a one-row pass gives it: the fast decoder's
+        row-invariant CPU path (docs/fast_decoder.md), not PyTorch's attention or a GPU's."""
+        fast = self.target.fast
+        return fast is not None and fast.row_invariant and self.target.device.type == "cpu"
+
     def generate(
         self,
         prompt_ids: list[int],

@@ -179,8 +179,25 @@ def test_seed_makes_sampling_repeatable(client):
     assert len(sampled) == 1
     assert answer_text(client, seed=7) == answer_text(client)  # greedy: the seed changes nothing
     refused(client.post(URL, json={**BODY, "seed": 1.5}), 400, "seed")
-    # Drafting is not seeded (yet): a seed with sampling and speculation would not repeat, so it is refused.
+    # This engine's passes (transformers' float32 attention) may round a row otherwise in a tree
+    # than alone: a seed with sampling and speculation might not repeat, so it is refused.
     refused(client.post(URL, json={**BODY, "seed": 7, "temperature": 1.0}), 400, "seed", "speculative")
+
+
+def test_seed_repeats_speculative_sampling_where_passes_are_row_invariant(tmp_path):
+    """An int8 fast decoder on the CPU computes each row alone: with a seed, drafted sampling
+    repeats, and gives plain decoding's answer (every emitted token is one seeded draw)."""
+    from gumiho_core.target import attach_fast_decoder
+
+    target = attach_fast_decoder(tiny.tiny_target(eos=False), "int8")
+    if target.fast is None or not target.fast.row_invariant:
+        pytest.skip("no int8 fast decoder here")
+    engine = Engine(target, new_heads(target))
+    assert engine.seed_repeats_drafted_sampling
+    client = TestClient(create_app(engine, tmp_path / "chat.db", model_name="tiny"))
+    sampled = {answer_text(client, temperature=1.0, seed=7) for _ in range(3)}
+    assert len(sampled) == 1 and sampled == {answer_text(client, temperature=1.0, seed=7, speculative=False)}
+    assert answer_text(client, temperature=1.0, seed=8) != sampled.pop()  # the seed does choose the answer
 
 
 def test_api_answers_are_stored_as_sessions_marked_openai(app, client):
