@@ -121,8 +121,9 @@ def _check_model(model, served: str) -> None:
         return
     if not isinstance(model, str):
         raise ApiError(400, f"model must be a string (got {_shown(model)})", param="model")
-    raise ApiError(404, f"The model {model!r} does not exist here: this server serves {served!r} "
-                        f"(also called {MODEL_ALIAS!r}); see GET /v1/models", param="model", code="model_not_found")
+    alias = f" (also called {MODEL_ALIAS!r})" if served != MODEL_ALIAS else ""
+    raise ApiError(404, f"The model {model!r} does not exist here: this server serves {served!r}{alias}; "
+                        "see GET /v1/models", param="model", code="model_not_found")
 
 
 def _max_tokens(given: dict) -> int:

@@ -147,8 +147,16 @@ def test_model_ids(client):
     for model in ("tiny", "default", None):
         r = client.post(URL, json={**BODY, "model": model})
         assert r.status_code == 200 and r.json()["model"] == "tiny"
-    error = refused(client.post(URL, json={**BODY, "model": "gpt-4o"}), 404, "gpt-4o", "tiny")
+    error = refused(client.post(URL, json={**BODY, "model": "gpt-4o"}), 404, "gpt-4o", "tiny", "also called 'default'")
     assert error["code"] == "model_not_found" and error["param"] == "model"
+
+
+def test_a_server_named_default_names_itself_once():
+    from app.openai_api import ApiError, _check_model
+
+    with pytest.raises(ApiError) as refusal:
+        _check_model("gpt-4o", "default")
+    assert "serves 'default';" in refusal.value.message and "also called" not in refusal.value.message
 
 
 def test_other_methods_are_405(client):
