@@ -40,7 +40,7 @@ def _nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     vocabulary for it (~5 ms for SmolLM2's 49152 on this CPU, half a decoding pass), but the
     kept tokens are only the most likely ones: the largest k are taken (k = 64, 512, 4096
     until they hold top_p of the mass) and only they are sorted. A flatter distribution is
-    sorted whole, after tries that cost ~25% over one sort; the default model's own logits
+    sorted whole, after tries that cost up to ~25% over one sort; the default model's own logits
     never needed that at temperature 0.7-1.3, top_p 0.95 (docs/benchmarks.md). The sum of a token and the less likely ones is taken here as 1 minus
     the mass of the more likely ones, added up in float64 (transformers adds the other way, in
     float32): the kept set can differ only at a token where that sum lies within float32

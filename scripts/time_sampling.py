@@ -52,7 +52,12 @@ def model_logits() -> list[torch.Tensor]:
     """The default model's logits at every position of two answers sampled at temperature 0.7."""
     engine, _ = load_engine()
     seen, real_choose = [], TokenChooser.choose
-    TokenChooser.choose = lambda self, logits, context: seen.append(logits.clone()) or real_choose(self, logits, context)
+
+    def choose_and_keep(self, logits, context):
+        seen.append(logits.clone())
+        return real_choose(self, logits, context)
+
+    TokenChooser.choose = choose_and_keep
     try:
         for question in ("Write a short story about a lighthouse keeper.", "Explain how a hash table works."):
             ids = engine.target.chat_prompt([{"role": "user", "content": question}])
