@@ -8,7 +8,7 @@ each row alone, so its result does not depend on the other rows of the pass (wha
 decoding in bfloat16 needs; blocked_attention.py is the pure-PyTorch way to the same end).
 groupwise_matmul.c does the 4- and 8-bit products on the CPU's integer units (quantize.py's
 GroupwiseLinear); decoder_layers.c runs an int4 decoding pass through every layer with those
-kernels in one call. docs/fast_decoder.md has the measurements.
+kernels in one call, and the serial draft head's 8-bit layers the same way (fast_heads.py). docs/fast_decoder.md has the measurements.
 
 They are built with the machine's C compiler (`cc -O3 -march=native -fopenmp`, under a
 second) into the cache folder, keyed by the sources and the CPU, on first use. Where no
@@ -41,8 +41,9 @@ AMX_FROM_ROWS = 9  # products of fewer rows take VNNI (groupwise_matmul.c): the 
 
 
 class LayerWeights(ctypes.Structure):
-    """decoder_layers.c's struct layer_weights: one int4 layer's norms and products (pointers
-    into the fast decoder's own tensors, which live as long as it does)."""
+    """decoder_layers.c's struct layer_weights: one layer's norms and products (pointers into the
+    fast decoder's or the draft heads' own tensors, which live as long as they do; attn_norm
+    None for a layer without an input norm)."""
 
     _fields_ = [(name, P) for name in ("attn_norm", "mlp_norm", "qkv", "out", "gate_up", "down", "qkv_scales",
                                        "out_scales", "gate_up_scales", "down_scales")]
@@ -52,7 +53,7 @@ class DecoderShape(ctypes.Structure):
     """decoder_layers.c's struct decoder_shape."""
 
     _fields_ = [*((name, INT) for name in ("layers", "dim", "heads", "kv_heads", "head_dim", "intermediate")),
-                ("eps", FLOAT), ("scale", FLOAT)]
+                ("eps", FLOAT), ("scale", FLOAT), ("bits", INT)]
 
 
 class CpuKernels:
@@ -94,7 +95,7 @@ class CpuKernels:
     def decoder_layers(self, layers: ctypes.Array, shape: DecoderShape, x: torch.Tensor, cos: torch.Tensor,
                        sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
                        ancestors: torch.Tensor) -> None:
-        """Every layer of an int4 decoder over x (n, dim) bfloat16 contiguous, in place: x
+        """Every layer of a groupwise decoder (shape.bits) over x (n, dim) bfloat16 contiguous, in place: x
         becomes the last layer's output. cos / sin (n, head_dim) float32; keys / values the
         whole cache (layers, kv_heads, capacity, head_dim) bfloat16; ancestors as tree_attention."""
         if self._decoder_layers(ctypes.byref(layers), ctypes.byref(shape), x.data_ptr(), x.shape[0],

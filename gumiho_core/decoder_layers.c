@@ -1,4 +1,5 @@
-/* A decoding pass through every layer of an int4 fast decoder in one call.
+/* A decoding pass through every layer of an int4 fast decoder in one call (and the serial
+   draft head's layers, 8-bit: fast_heads.py).
 
    Built with cpu_kernels.c and groupwise_matmul.c (cpu_kernels.py). Why: the default model's
    one-token pass is ~14 ms on 2 cores and its layers cost ~12 Python-level calls each (the
@@ -37,7 +38,8 @@ void rotate_and_store(const uint16_t *qkv, const float *cos, const float *sin, i
                       uint16_t *values);
 
 /* One layer's weights as the fast decoder holds them (cpu_kernels.LayerWeights mirrors it):
-   norms bfloat16 (dim,); products in groupwise_matmul.c's 4-bit layout with their scales. */
+   norms bfloat16 (dim,), attn_norm NULL for a layer that reads its input as it is (the draft
+   heads' first: fc's output); products in groupwise_matmul.c's layout with their scales. */
 struct layer_weights {
     const uint16_t *attn_norm, *mlp_norm;
     const uint8_t *qkv, *out, *gate_up, *down;
@@ -48,6 +50,7 @@ struct layer_weights {
 struct decoder_shape {
     int layers, dim, heads, kv_heads, head_dim, intermediate;
     float eps, scale;
+    int bits;  /* the products' weights: 4 (the target) or 8 (the draft heads) */
 };
 
 /* out (n, inter) = bfloat16(bfloat16(SiLU(g)) * u) for gate_up (n, 2 inter) = [g | u], the two
@@ -66,6 +69,22 @@ static void silu_times(const uint16_t *gate_up, int n, int inter, uint16_t *out)
             narrow8(out + (long)r * inter + i, widen8(silu) * widen8(u + i));
         }
     }
+}
+
+/* add_rms_norm, or for a layer without an input norm (weight NULL) the residual add alone
+   with out a copy of x. */
+static void add_then_norm(uint16_t *x, const uint16_t *y, const uint16_t *weight, int n, int dim, float eps,
+                          uint16_t *out) {
+    if (weight) {
+        add_rms_norm(x, y, weight, n, dim, eps, out);
+        return;
+    }
+    if (y)
+        for (long i = 0; i < (long)n * dim; i += 8) {
+            v8 sum = widen8(x + i) + widen8(y + i);
+            narrow8(x + i, sum);
+        }
+    memcpy(out, x, sizeof(uint16_t) * n * dim);
 }
 
 /* The next `count` values of a scratch buffer. */
@@ -97,17 +116,17 @@ int decoder_layers(const struct layer_weights *layers, const struct decoder_shap
     int failed = 0;
     for (int i = 0; i < s->layers && !failed; i++) {
         const struct layer_weights *w = layers + i;
-        add_rms_norm(x, i ? mlp : NULL, w->attn_norm, n, s->dim, s->eps, h);
-        failed |= groupwise_matmul(h, n, s->dim, w->qkv, 4, w->qkv_scales, qkv_width, qkv, 0);
+        add_then_norm(x, i ? mlp : NULL, w->attn_norm, n, s->dim, s->eps, h);
+        failed |= groupwise_matmul(h, n, s->dim, w->qkv, s->bits, w->qkv_scales, qkv_width, qkv, 0);
         rotate_and_store(qkv, cos, sin, n, s->heads, s->kv_heads, d, capacity, start, q,
                          keys + i * layer_size, values + i * layer_size);
         failed |= tree_attention(q, width, keys + i * layer_size, values + i * layer_size, capacity, n, s->heads,
                                  s->kv_heads, d, start, ancestors, s->scale, attn);
-        failed |= groupwise_matmul(attn, n, width, w->out, 4, w->out_scales, s->dim, h, 0);
+        failed |= groupwise_matmul(attn, n, width, w->out, s->bits, w->out_scales, s->dim, h, 0);
         add_rms_norm(x, h, w->mlp_norm, n, s->dim, s->eps, h);  /* reads h into x before writing h */
-        failed |= groupwise_matmul(h, n, s->dim, w->gate_up, 4, w->gate_up_scales, 2 * s->intermediate, gate_up, 0);
+        failed |= groupwise_matmul(h, n, s->dim, w->gate_up, s->bits, w->gate_up_scales, 2 * s->intermediate, gate_up, 0);
         silu_times(gate_up, n, s->intermediate, act);
-        failed |= groupwise_matmul(act, n, s->intermediate, w->down, 4, w->down_scales, s->dim, mlp, 0);
+        failed |= groupwise_matmul(act, n, s->intermediate, w->down, s->bits, w->down_scales, s->dim, mlp, 0);
     }
     if (!failed)  /* the last layer's residual add, rounded as PyTorch's bfloat16 x + mlp */
         for (long i = 0; i < (long)n * s->dim; i += 8) {

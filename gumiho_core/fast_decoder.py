@@ -295,7 +295,7 @@ class FastDecoder(nn.Module):
                 setattr(slot, f"{name}_scales", getattr(layer, name).scales_and_lows.data_ptr())
         first, s = self.layers[0], self.shape
         shape = cpu_kernels.DecoderShape(len(self.layers), first.attn_norm.shape[0], s["heads"], s["kv_heads"],
-                                         s["head_dim"], first.gate_up.out_features // 2, s["eps"], first.scale)
+                                         s["head_dim"], first.gate_up.out_features // 2, s["eps"], first.scale, 4)
         return weights, shape
 
     def _row_invariant_plan(self, start: int, positions: torch.Tensor, ancestors: torch.Tensor | None):

@@ -219,6 +219,8 @@ class GumihoHeads(nn.Module):
             self.register_buffer("draft_vocab", torch.arange(config.draft_vocab_size))
         else:
             self.draft_vocab = None
+        # The serial layers in one C call (fast_heads.py), set on a drafting copy where it runs.
+        self.one_call = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -226,7 +228,7 @@ class GumihoHeads(nn.Module):
         return self.layers[0].post_attention_layernorm.weight.dtype
 
     def new_cache(self) -> DraftCache:
-        return DraftCache(self.config.num_layers)
+        return DraftCache(self.config.num_layers) if self.one_call is None else self.one_call.new_cache()
 
     def fc_input(self, token_embeds: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """u = fc([embed(token), feature]): the serial head's input, also the MLP heads' input."""
@@ -243,6 +245,9 @@ class GumihoHeads(nn.Module):
 
         mask: bool (T, cache_len + T), True = may attend. None = causal over cache + new.
         """
+        ancestors = None if self.one_call is None else self.one_call.ancestors(cache, mask, u.shape[1])
+        if ancestors is not None:
+            return self.one_call(u, positions, cache, ancestors)
         cos, sin = rotary(positions, self.config.attn_head_dim, self.config.rope_theta, u.dtype)
         cos, sin = cos[None, None], sin[None, None]
         t = u.shape[1]

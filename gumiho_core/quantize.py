@@ -234,6 +234,10 @@ def drafting_copy(module: nn.Module, target) -> nn.Module:
     if type(module) is nn.Linear:
         return GroupwiseLinear(module, 8, kernels) if _groupwise_kernels(module) else fast_cpu_copy(module)
     module = copy.deepcopy(module)
+    if hasattr(module, "one_call"):  # the heads: their serial layers in one call where they can
+        from .fast_heads import serial_in_one_call  # builds on this file's GroupwiseLinear
+
+        module.one_call = serial_in_one_call(module, kernels)
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and _groupwise_kernels(child):
