@@ -142,6 +142,7 @@ def build_draft_tree(
     last_input: torch.Tensor,
     settings: TreeSettings,
     max_depth: int | None = None,
+    next_position: int | None = None,
 ) -> DraftTree:
     """Draft a tree below `root_token`.
 
@@ -149,7 +150,9 @@ def build_draft_tree(
     cache: the serial head's cache over the accepted context (L positions; the last one
     read the root token). last_output: the serial head's output there (H,), which predicts
     depth 1; last_input: its fc input there (H,), the u_1 the MLP heads may need.
-    The cache is restored to L positions before returning.
+    The cache is restored to L positions before returning. next_position: the position the
+    cache reads next, where depth 2 reads depth 1's tokens (default L; more where the cache
+    has a gap, drafter.py).
     """
     cfg = heads.config
     depth_limit = min(settings.depth, cfg.max_depth, max_depth or cfg.max_depth)
@@ -164,7 +167,8 @@ def build_draft_tree(
         beams = _Beams(pool.add(beam_tokens.tolist(), [0] * settings.top_k, top.values.tolist(), 1, SERIAL),
                        beam_tokens, top.values, last_output[None].expand(settings.top_k, -1),
                        last_input[None].expand(settings.top_k, -1))
-        beams = _serial_depths(heads, embed, projection, cache, pool, beams, settings, serial_depth)
+        beams = _serial_depths(heads, embed, projection, cache, pool, beams, settings, serial_depth,
+                               context_len if next_position is None else next_position)
         if depth_limit > serial_depth:
             _mlp_depths(heads, embed, projection, pool, beams, settings, serial_depth, depth_limit - serial_depth)
     finally:
@@ -173,14 +177,15 @@ def build_draft_tree(
 
 
 def _serial_depths(heads, embed, projection, cache: DraftCache, pool: _Candidates, beams: _Beams,
-                   settings: TreeSettings, serial_depth: int) -> _Beams:
-    """Depths 2..serial_depth: each beam's top_k children, the best top_k of them kept."""
+                   settings: TreeSettings, serial_depth: int, next_position: int) -> _Beams:
+    """Depths 2..serial_depth: each beam's top_k children, the best top_k of them kept.
+    next_position: the position depth 2 reads at."""
     device, context_len = beams.scores.device, len(cache)
     # Tree-phase cache entries each beam may attend to (its ancestors' entries).
     ancestry = torch.zeros(settings.top_k, 0, dtype=torch.bool, device=device)
     for depth in range(2, serial_depth + 1):
         u = heads.fc_input(embed(beams.tokens), beams.producer)  # (k, H)
-        position = context_len + depth - 2
+        position = next_position + depth - 2
         own = torch.eye(len(beams.nodes), dtype=torch.bool, device=device)
         mask = torch.cat(
             [torch.ones(len(beams.nodes), context_len, dtype=torch.bool, device=device), ancestry, own], dim=1

@@ -274,3 +274,49 @@ def test_each_kind_of_step_is_named_to_the_guard(engine, context, situation):
         drafter.guard = DraftGuard()
     repeating = ("repeating", ("lookup", "root")) if situation != "no match" else ("no match", ("heads", "root"))
     assert guard.situations == [(situation, ("heads", "root") if situation == "no match" else None), repeating]
+
+
+class RootThenHeads(FixedGuard):
+    """The root alone for the first `root_steps` steps, the heads after."""
+
+    def __init__(self, root_steps: int):
+        super().__init__("root")
+        self.root_steps = root_steps
+
+    def pick(self, situation="", modes=None):
+        self.mode = "root" if len(self.recorded) < self.root_steps else "heads"
+        return super().pick(situation, modes)
+
+
+def test_heads_after_a_stretch_of_root_steps_read_only_the_latest_skipped_tokens(engine, monkeypatch):
+    """The serial head reads the prompt whole but, of the answer's tokens that root steps
+    skipped, only the last CATCH_UP_TOKENS, at their own positions; the answer is plain
+    decoding's, and the next generation keeps only the head's cache entries before the gap."""
+    from gumiho_core.drafter import CATCH_UP_TOKENS
+
+    drafter, prompt = engine.drafter, list(range(3, 13))
+    reads, real = [], drafter.heads.serial
+
+    def serial(u, positions, cache=None, mask=None):
+        if mask is None:  # the catch-up reads (a deeper depth's beams carry a mask)
+            reads.append(positions.tolist())
+        return real(u, positions, cache, mask)
+
+    monkeypatch.setattr(drafter.heads, "serial", serial)
+    tree = TreeSettings(top_k=3, total_tokens=6, depth=2, lookup_tokens=0, guard_greedy=True)
+    settings = GenerationSettings(max_new_tokens=CATCH_UP_TOKENS + 40, tree=tree)
+    drafter.guard = RootThenHeads(CATCH_UP_TOKENS + 20)
+    try:
+        done = run_to_end(engine, prompt, settings, reuse_prefix=False)
+    finally:
+        drafter.guard = DraftGuard()
+    plain = run_to_end(engine, prompt, settings.with_(speculative=False), reuse_prefix=False)
+    assert done.token_ids == plain.token_ids
+    end = reads[0][-1] + 1  # the root's position: the first heads step's
+    assert end == len(prompt) + CATCH_UP_TOKENS + 20
+    assert reads[0] == list(range(len(prompt))) + list(range(end - CATCH_UP_TOKENS, end))
+    assert all(later[0] == earlier[-1] + 1 for earlier, later in zip(reads, reads[1:]))  # no gap after
+    assert drafter.whole == len(prompt) and len(drafter.cache) > len(prompt)
+    context = prompt + done.token_ids
+    drafter.begin(context, len(context), settings)  # a next turn sharing the whole context
+    assert len(drafter.cache) == drafter.whole == drafter.next_position == len(prompt)
