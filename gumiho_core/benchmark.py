@@ -32,7 +32,7 @@ from .errors import GumihoError
 from .drafter import GumihoDrafter
 from .generate import Engine, run_to_end
 from .peers import METHOD as PEER, LlamaCppPeer, agreement
-from .settings import GenerationSettings, SamplingSettings, TreeSettings
+from .settings import GenerationSettings
 
 METHODS = ("plain", "gumiho", "gumiho-heads", "gumiho-always", "hf", "hf-pld", PEER)
 ENGINE_METHODS = ("plain", "gumiho", "gumiho-heads", "gumiho-always")

@@ -35,7 +35,6 @@ from pathlib import Path
 import torch
 
 from .errors import GumihoError
-from .prompts import builtin_prompts
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1

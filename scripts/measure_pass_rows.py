@@ -5,9 +5,8 @@ settings (128 new tokens). It only watches the target's lm_head, which every tar
 calls once with all its rows, so it runs on older checkouts too (from their root):
   LD_PRELOAD="$(.venv/bin/python -m gumiho_core.mkl_on_amd)" .venv/bin/python scripts/measure_pass_rows.py [N] [REPEATS]
 """
-import collections, json, statistics, sys, time
+import collections, json, statistics, sys
 sys.path.insert(0, ".")
-import torch
 from gumiho_core.target import load_target
 from gumiho_core.heads import HeadCheckpoint
 from gumiho_core.generate import Engine, run_to_end

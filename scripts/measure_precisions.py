@@ -1,9 +1,9 @@
 """Interleaved, one process: plain and Gumiho on transformers float32 (the old floor), the fast
 decoder in float32, int8 and int4; mt_bench prompts, greedy; medians of tokens/s."""
-import json, sys, statistics, time, torch
+import json, sys, statistics
 from gumiho_core.loading import load_engine
 from gumiho_core.target import attach_fast_decoder
-from gumiho_core.benchmark import read_prompts, PeakRSS
+from gumiho_core.benchmark import read_prompts
 from gumiho_core import GenerationSettings, run_to_end
 n, new = int(sys.argv[1]), int(sys.argv[2])
 e, _ = load_engine(None, None, quantize=None, fast=False)

@@ -5,7 +5,6 @@ and an in-process app on a *scripted* engine whose answers are known in advance,
 colour, an XSS attempt, a code block and Stop can be checked exactly.
 """
 import os
-import re
 import socket
 import subprocess
 import sys

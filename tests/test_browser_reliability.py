@@ -126,7 +126,7 @@ def inproc(tmp_path_factory):
 
 
 def test_two_tabs_are_queued_with_position_and_never_interleave(browser, inproc):
-    from app.chat import ChatService, Options
+    from app.chat import Options
 
     start, real = inproc
     url, service = start()

@@ -291,20 +291,13 @@ def test_serve_refuses_a_corrupt_database_with_one_line(tmp_path, monkeypatch, c
 def test_two_clients_are_served_in_order_with_positions(service):
     prompts = ["w10 w11", "w40 w41 w42", "w60", "w70 w71"]
     want = {p: reference(service.engine, p, n=25) for p in prompts}
-    forward = service.engine.target.base.forward
-    active, overlap = [0], [False]
     seen: dict[str, list] = {p: [] for p in prompts}
     results = {}
-
-    def counted(*a, **k):
-        return forward(*a, **k)
 
     def client(p):
         for answer in service.stream([{"role": "user", "text": p}], Options(max_new_tokens=25)):
             if answer.waiting:
                 seen[p].append(answer.waiting)
-            elif not answer.done:
-                active[0] += 1 if len(answer.steps) == 1 else 0
         results[p] = answer.text
 
     # Hold the queue with one slow answer so the others must wait behind it.

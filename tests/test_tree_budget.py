@@ -1,11 +1,13 @@
 """The tree budget comes from measurements: the cost curve and the heads' acceptance."""
 from __future__ import annotations
 
+import json
+
 import torch
 
 from gumiho_core import Engine, TreeSettings, new_heads
 from gumiho_core.draft_tree import DraftTree
-from gumiho_core.tree_budget import accepted_length, choose_tree, format_budget, measure_cost_curve
+from gumiho_core.tree_budget import accepted_length, choose_tree, disturbed, format_budget, measure_cost_curve
 from tiny import tiny_target
 
 
@@ -21,7 +23,12 @@ def test_accepted_length_of_sub_trees():
 
 
 def test_choose_tree_measures_and_caches(tmp_path, monkeypatch):
+    from gumiho_core import tree_budget
+
     monkeypatch.setenv("GUMIHO_CACHE", str(tmp_path))
+    # A tiny model's passes are too short to tell a busy machine from jitter; that check has
+    # its own test below, on given curves.
+    monkeypatch.setattr(tree_budget, "DISTURBED_MS", float("inf"))
     target = tiny_target(seed=0, eos=False)
     engine = Engine(target, new_heads(target))
     curve = measure_cost_curve(target, sizes=(1, 4, 8), reps=2)
@@ -36,3 +43,58 @@ def test_choose_tree_measures_and_caches(tmp_path, monkeypatch):
     again, _ = choose_tree(engine)  # from the cache, no new measurement
     assert again == tree
     assert list((tmp_path / "tree_budget").glob("choice-*.json"))
+
+
+
+def test_a_cost_curve_timed_on_a_busy_machine_is_measured_again(tmp_path, monkeypatch):
+    """A curve where a bigger pass timed far below a smaller one was taken while other work ran:
+    it is timed again, and neither it nor a tree chosen on it is kept, or every later run
+    would show it."""
+    from gumiho_core import tree_budget
+
+    assert disturbed({1: 73.0, 2: 94.0, 3: 56.0}) and disturbed({"1": 12.0, "8": 7.0})
+    assert not disturbed({1: 11.6, 2: 14.6, 3: 18.3}) and not disturbed({1: 11.6, 2: 11.0})
+    assert not disturbed({1: 0.9, 2: 0.4})  # a tiny model's jitter
+    busy, calm = {1: 50.0, 4: 90.0, 8: 10.0}, {1: 10.0, 4: 20.0, 8: 30.0}
+    timings = []
+    monkeypatch.setattr(tree_budget, "_time_passes", lambda target, sizes, context, reps: timings.pop(0))
+    monkeypatch.setenv("GUMIHO_CACHE", str(tmp_path))
+    target = tiny_target(seed=0, eos=False)
+    timings[:] = [busy, busy]
+    assert measure_cost_curve(target, sizes=(1, 4, 8)) == busy and not timings  # timed twice, both busy
+    assert not list(tmp_path.glob("tree_budget/cost-*.json"))  # and not kept
+    timings[:] = [busy, calm]
+    assert measure_cost_curve(target, sizes=(1, 4, 8)) == calm
+    [cost_file] = tmp_path.glob("tree_budget/cost-*.json")
+    cost_file.write_text(json.dumps(busy))  # as a version before this check cached it
+    timings[:] = [calm]
+    assert measure_cost_curve(target, sizes=(1, 4, 8)) == calm and not timings
+    assert json.loads(cost_file.read_text()) == {str(n): ms for n, ms in calm.items()}
+
+
+
+def test_a_tree_chosen_on_a_busy_machine_is_chosen_again(tmp_path, monkeypatch):
+    from gumiho_core import tree_budget
+
+    busy, calm = {1: 50.0, 2: 90.0, 3: 10.0}, {1: 10.0, 2: 12.0, 3: 14.0}
+    curves, calibrations = [], []
+    monkeypatch.setattr(tree_budget, "measure_cost_curve", lambda target: curves.pop(0))
+    monkeypatch.setattr(tree_budget, "calibrate", lambda engine: calibrations.append(1) or {
+        "traces": {2: []}, "draft_ms": {f"2/{depth}": 1.0 for depth in tree_budget.DEPTHS}})
+    monkeypatch.setenv("GUMIHO_CACHE", str(tmp_path))
+    target = tiny_target(seed=0, eos=False)
+    engine = Engine(target, new_heads(target))
+    curves[:] = [busy]
+    choose_tree(engine)
+    assert not list(tmp_path.glob("tree_budget/choice-*.json"))  # chosen on a busy machine: not kept
+    curves[:] = [calm]
+    tree, _ = choose_tree(engine)
+    [choice_file] = tmp_path.glob("tree_budget/choice-*.json")
+    assert choose_tree(engine)[0] == tree and len(calibrations) == 2  # from the cache
+    report = json.loads(choice_file.read_text())
+    report["cost_curve_ms"] = {str(n): ms for n, ms in busy.items()}  # as a version before this check kept it
+    choice_file.write_text(json.dumps(report))
+    curves[:] = [calm]
+    again, report = choose_tree(engine)
+    assert len(calibrations) == 3 and not curves and not disturbed(report["cost_curve_ms"])
+    assert not disturbed(json.loads(choice_file.read_text())["cost_curve_ms"])
