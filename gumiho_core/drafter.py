@@ -226,24 +226,26 @@ class GumihoDrafter(Drafter):
     def _heads_tree(self, step: DraftStep) -> DraftTree:
         heads, cache, embed = self.heads, self.cache, self.target.embed_tokens
         start, end = self.next_position, len(step.features)
-        read = self._positions_to_read(start, end).to(step.context.device)
+        read, in_order_to = self._positions_to_read(start, end)
+        read = read.to(step.context.device)
         # Draft position i reads (token i+1, target feature i); the last one read is the root.
         u = heads.fc_input(embed(step.context[read + 1]), step.features[read].to(heads.dtype))
         out = heads.serial(u[None], read, cache)[0]
         if self.whole == start:  # no gap yet: the positions read in order extend the gap-free entries
-            self.whole += int((read == torch.arange(start, start + len(read), device=read.device)).cumprod(0).sum())
+            self.whole = in_order_to
         self.read, self.next_position = step.context, end
         return build_draft_tree(heads, embed, self.projection, cache, step.root, out[-1], u[-1], self.tree,
                                 max_depth=step.room, next_position=end)
 
-    def _positions_to_read(self, start: int, end: int) -> torch.Tensor:
+    def _positions_to_read(self, start: int, end: int) -> tuple[torch.Tensor, int]:
         """The context positions the serial head reads at a heads step: every one from `start`
         (where its cache left off) to `end`, but of the answer's own positions skipped by root
-        and lookup steps only the last CATCH_UP_TOKENS."""
+        and lookup steps only the last CATCH_UP_TOKENS. Also where the in-order stretch from
+        `start` ends (`end`, or where a gap begins)."""
         gap_from, gap_to = max(start, self.prompt_length), end - CATCH_UP_TOKENS
         if gap_to <= gap_from:
-            return torch.arange(start, end)
-        return torch.cat([torch.arange(start, gap_from), torch.arange(gap_to, end)])
+            return torch.arange(start, end), end
+        return torch.cat([torch.arange(start, gap_from), torch.arange(gap_to, end)]), gap_from
 
     def observe(self, tree: DraftTree, path: list[int]) -> None:
         if self.chain:

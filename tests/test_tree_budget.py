@@ -45,7 +45,6 @@ def test_choose_tree_measures_and_caches(tmp_path, monkeypatch):
     assert list((tmp_path / "tree_budget").glob("choice-*.json"))
 
 
-
 def test_a_cost_curve_timed_on_a_busy_machine_is_measured_again(tmp_path, monkeypatch):
     """A curve where a bigger pass timed far below a smaller one was taken while other work ran:
     it is timed again, and neither it nor a tree chosen on it is kept, or every later run
@@ -70,7 +69,6 @@ def test_a_cost_curve_timed_on_a_busy_machine_is_measured_again(tmp_path, monkey
     timings[:] = [calm]
     assert measure_cost_curve(target, sizes=(1, 4, 8)) == calm and not timings
     assert json.loads(cost_file.read_text()) == {str(n): ms for n, ms in calm.items()}
-
 
 
 def test_a_tree_chosen_on_a_busy_machine_is_chosen_again(tmp_path, monkeypatch):
