@@ -265,22 +265,31 @@ AVX2 static inline void widen_group(const uint8_t *weights, long at, int16_t *w)
                            _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(weights + at * 512 + 16 * j))));
 }
 
-AVX2 static inline void sums_16bit(const int16_t *w, const int8_t *hi, const int8_t *lo, __m256i out[2]) {
-    int16_t x16[32] __attribute__((aligned(32)));
+/* s[c] holds two partial sums of each of outputs 4c .. 4c + 3: their totals, in output order. */
+AVX2 static inline void pair_up(const __m256i s[4], __m256i out[2]) {
+    out[0] = _mm256_permute4x64_epi64(_mm256_hadd_epi32(s[0], s[1]), 0xD8);
+    out[1] = _mm256_permute4x64_epi64(_mm256_hadd_epi32(s[2], s[3]), 0xD8);
+}
+
+/* x's two parts of a group (32 inputs) in one 16-bit number each, 256 hi + lo. */
+AVX2 static inline void join_parts(const int8_t *hi, const int8_t *lo, int16_t x16[32]) {
     for (int i = 0; i < 32; i += 16) {
         __m256i h = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(hi + i)));
         __m256i l = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(lo + i)));
-        _mm256_store_si256((__m256i *)(x16 + i), _mm256_add_epi16(_mm256_slli_epi16(h, 8), l));
+        _mm256_storeu_si256((__m256i *)(x16 + i), _mm256_add_epi16(_mm256_slli_epi16(h, 8), l));
     }
+}
+
+AVX2 static inline void sums_16bit(const int16_t *w, const int8_t *hi, const int8_t *lo, __m256i out[2]) {
+    int16_t x16[32] __attribute__((aligned(32)));
+    join_parts(hi, lo, x16);
     __m256i s[4] = { _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256() };
     for (int p = 0; p < 8; p++) {
         __m256i xp = _mm256_set1_epi64x(*(const int64_t *)(x16 + 4 * p));
         for (int c = 0; c < 4; c++)
             s[c] = _mm256_add_epi32(s[c], _mm256_madd_epi16(_mm256_load_si256((const __m256i *)(w + 64 * p + 16 * c)), xp));
     }
-    /* each s[c] holds two partial sums of outputs 4c .. 4c + 3: paired up, in output order */
-    out[0] = _mm256_permute4x64_epi64(_mm256_hadd_epi32(s[0], s[1]), 0xD8);
-    out[1] = _mm256_permute4x64_epi64(_mm256_hadd_epi32(s[2], s[3]), 0xD8);
+    pair_up(s, out);
 }
 
 /* A group's sums (int32, 256 x hi's + lo's) for 8 outputs into a row's float sums, given the
@@ -359,6 +368,66 @@ AVX2 static void block_avx2(const struct rows_q8 *x, int r0, int rows, const uin
     }
 }
 
+/* One row, as a one-token pass has (plain decoding's every step). block4_avx2 keeps 16 rows'
+   sums in memory and reads and writes them back at every group, with the weights' registers
+   spilled around them: for one row that traffic, not the multiplies, was most of the time
+   (perf, SmolLM2-135M's layers). Here the row's 16 sums stay in registers and each load of
+   weights is used at once. The integer sums are exact in any order and the float steps are
+   add_sums8's, group by group: the same bits as among many rows (tested: row invariance).
+   (Two rows at a time this way were slower than block4_avx2 from 2 rows on: it unpacks a
+   group's weights once for all its rows.) */
+AVX2 static void row4_avx2(const struct rows_q8 *x, int r, const uint8_t *weights, const uint16_t *scales,
+                           int nb, __m256 acc[2]) {
+    __m256i mask = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    __m256 sum0 = _mm256_setzero_ps(), sum1 = _mm256_setzero_ps();
+    for (int g = 0; g < x->groups; g++) {
+        long at = (long)nb * x->groups + g, row = (long)r * x->k + 32 * g, rg = (long)r * x->groups + g;
+        const int32_t *hi = (const int32_t *)(x->hi + row), *lo = (const int32_t *)(x->lo + row);
+        const uint8_t *nibbles = weights + at * 256;
+        for (int h = 0; h < 2; h++) {
+            __m256i hi_pairs = _mm256_setzero_si256(), lo_pairs = _mm256_setzero_si256();
+            for (int p = 0; p < 4; p++) {  /* load 2p + h: tile rows p (low nibbles) and p + 4 (high) */
+                __m256i v = _mm256_loadu_si256((const __m256i *)(nibbles + 32 * (2 * p + h)));
+                __m256i low4 = _mm256_and_si256(v, mask), high4 = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+                hi_pairs = _mm256_add_epi16(hi_pairs, _mm256_maddubs_epi16(low4, _mm256_set1_epi32(hi[p])));
+                lo_pairs = _mm256_add_epi16(lo_pairs, _mm256_maddubs_epi16(low4, _mm256_set1_epi32(lo[p])));
+                hi_pairs = _mm256_add_epi16(hi_pairs, _mm256_maddubs_epi16(high4, _mm256_set1_epi32(hi[4 + p])));
+                lo_pairs = _mm256_add_epi16(lo_pairs, _mm256_maddubs_epi16(high4, _mm256_set1_epi32(lo[4 + p])));
+            }
+            __m256i sums = _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(hi_pairs, ones), 8),
+                                            _mm256_madd_epi16(lo_pairs, ones));
+            __m256 scale = bf16x8_to_ps(scales + at * 32 + 8 * h), low = bf16x8_to_ps(scales + at * 32 + 16 + 8 * h);
+            if (h) sum1 = add_sums8(sum1, sums, scale, low, x->scale[rg], x->sum[rg]);
+            else sum0 = add_sums8(sum0, sums, scale, low, x->scale[rg], x->sum[rg]);
+        }
+    }
+    acc[0] = sum0, acc[1] = sum1;
+}
+
+/* The same for 8-bit weights: widened to 16 bits as they are loaded (block_avx2 widens a group
+   once for all its rows). */
+AVX2 static void row8_avx2(const struct rows_q8 *x, int r, const uint8_t *weights, const uint16_t *scales,
+                           int nb, __m256 acc[2]) {
+    int16_t x16[32] __attribute__((aligned(32)));
+    __m256 sums[2] = { _mm256_setzero_ps(), _mm256_setzero_ps() };
+    for (int g = 0; g < x->groups; g++) {
+        long at = (long)nb * x->groups + g, row = (long)r * x->k + 32 * g, rg = (long)r * x->groups + g;
+        join_parts(x->hi + row, x->lo + row, x16);
+        __m256i s[4] = { _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256() };
+        for (int p = 0; p < 8; p++) {
+            __m256i xp = _mm256_set1_epi64x(*(const int64_t *)(x16 + 4 * p));
+            for (int c = 0; c < 4; c++) {
+                __m128i bytes = _mm_loadu_si128((const __m128i *)(weights + at * 512 + 64 * p + 16 * c));
+                s[c] = _mm256_add_epi32(s[c], _mm256_madd_epi16(_mm256_cvtepu8_epi16(bytes), xp));
+            }
+        }
+        __m256i paired[2];
+        pair_up(s, paired);
+        add_group_avx2(sums, paired, scales, at, x->scale[rg], x->sum[rg]);
+    }
+    acc[0] = sums[0], acc[1] = sums[1];
+}
+
 /* Round to nearest even as _mm512_cvtneps_pbh does, which also flushes denormals to zero. */
 static inline uint16_t float_to_bf16(float f) {
     union { float f; uint32_t u; } v = { .f = f };
@@ -378,7 +447,9 @@ AVX2 static int groupwise_matmul_avx2(const struct rows_q8 *q, int m, const uint
         __m256 acc[16][2];
         for (int b = 0; b <= both; b++) {
             for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-            block_avx2(q, r0, rows, weights, scales, nb + b, acc);
+            if (rows > 1) block_avx2(q, r0, rows, weights, scales, nb + b, acc);
+            else if (q->bits == 4) row4_avx2(q, r0, weights, scales, nb + b, acc[0]);
+            else row8_avx2(q, r0, weights, scales, nb + b, acc[0]);
             for (int r = 0; r < rows; r++) {
                 float out[16];
                 long at = (long)(r0 + r) * n + (nb + b) * 16;

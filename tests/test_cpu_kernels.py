@@ -102,7 +102,8 @@ def test_groupwise_products_are_row_invariant_and_close_to_the_float_product(ker
     torch.manual_seed(bits)
     linear = torch.nn.Linear(576, 960, bias=False)
     layer = GroupwiseLinear(linear, bits, kernels)
-    x = torch.randn(40, 576).bfloat16()
+    # Rows of every size from 1e-3 to 1e2: a one-row pass takes its own loop (groupwise_matmul.c).
+    x = (torch.randn(40, 576) * torch.logspace(-3, 2, 40)[:, None]).bfloat16()
     together = layer(x)
     for rows in (1, 3, 8, 9, 16, 17):
         assert torch.equal(layer(x[:rows]), together[:rows]), rows
@@ -153,9 +154,11 @@ def test_avx2_and_avx512_give_the_same_bits(kernels, bits):
         on_avx512 = layer(x)
         unit.value = 0
         on_avx2 = layer(x)
+        row_by_row_on_avx2 = torch.cat([layer(x[r : r + 1]) for r in range(len(x))])  # AVX2's one-row loop
     finally:
         unit.value = 1
     assert torch.equal(on_avx512, on_avx2)
+    assert torch.equal(on_avx512, row_by_row_on_avx2)
 
 
 def test_an_int4_decoder_runs_its_products_on_the_kernels(kernels):
