@@ -62,7 +62,7 @@ class TreeSettings:
     @classmethod
     def avx2_int4_cpu(cls) -> "TreeSettings":
         """For int4 targets on a CPU without AVX-512 (groupwise_matmul.c's AVX2 path), where each
-        row of a pass costs ~30% of a one-token pass (SmolLM2-135M, 2 AMD EPYC cores): the best
+        row of a pass costs 30-40% of a one-token pass (SmolLM2-135M, 2 AMD EPYC cores): the best
         draft token and a shorter looked-up chain, guarded under greedy decoding too. Measured
         there (mt_bench 20 x 256, docs/benchmarks.md): drafting every step 0.91x plain (tau
         2.42), guarded 0.98x."""
