@@ -376,6 +376,18 @@ AVX2 static void block_avx2(const struct rows_q8 *x, int r0, int rows, const uin
    add_sums8's, group by group: the same bits as among many rows (tested: row invariance).
    (Two rows at a time this way were slower than block4_avx2 from 2 rows on: it unpacks a
    group's weights once for all its rows.) */
+/* The one-row loops read each weight once, in order: asking for the group PREFETCH_GROUPS
+   ahead made a one-token pass ~6% faster here (8.66 -> 8.14 ms, context 300, four runs) than
+   the hardware prefetcher alone; 2 to 16 groups ahead did alike, and so did keeping the lines
+   in every cache level (_MM_HINT_T0) rather than marking them as read once (NTA). A prefetch
+   past the last block reads nothing and cannot fault. */
+#define PREFETCH_GROUPS 4
+
+AVX2 static inline void prefetch_ahead(const uint8_t *weights, int bytes, const uint16_t *scales) {
+    for (int c = 0; c < bytes; c += 64) _mm_prefetch((const char *)(weights + c), _MM_HINT_NTA);
+    _mm_prefetch((const char *)scales, _MM_HINT_NTA);
+}
+
 AVX2 static void row4_avx2(const struct rows_q8 *x, int r, const uint8_t *weights, const uint16_t *scales,
                            int nb, __m256 acc[2]) {
     __m256i mask = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
@@ -384,6 +396,7 @@ AVX2 static void row4_avx2(const struct rows_q8 *x, int r, const uint8_t *weight
         long at = (long)nb * x->groups + g, row = (long)r * x->k + 32 * g, rg = (long)r * x->groups + g;
         const int32_t *hi = (const int32_t *)(x->hi + row), *lo = (const int32_t *)(x->lo + row);
         const uint8_t *nibbles = weights + at * 256;
+        prefetch_ahead(nibbles + PREFETCH_GROUPS * 256, 256, scales + (at + PREFETCH_GROUPS) * 32);
         for (int h = 0; h < 2; h++) {
             __m256i hi_pairs = _mm256_setzero_si256(), lo_pairs = _mm256_setzero_si256();
             for (int p = 0; p < 4; p++) {  /* load 2p + h: tile rows p (low nibbles) and p + 4 (high) */
@@ -412,6 +425,7 @@ AVX2 static void row8_avx2(const struct rows_q8 *x, int r, const uint8_t *weight
     __m256 sums[2] = { _mm256_setzero_ps(), _mm256_setzero_ps() };
     for (int g = 0; g < x->groups; g++) {
         long at = (long)nb * x->groups + g, row = (long)r * x->k + 32 * g, rg = (long)r * x->groups + g;
+        prefetch_ahead(weights + (at + PREFETCH_GROUPS) * 512, 512, scales + (at + PREFETCH_GROUPS) * 32);
         join_parts(x->hi + row, x->lo + row, x16);
         __m256i s[4] = { _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256() };
         for (int p = 0; p < 8; p++) {
