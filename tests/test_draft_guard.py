@@ -90,6 +90,18 @@ def test_the_choice_follows_a_change_in_what_drafting_buys():
     assert choice.best() == "root"
 
 
+def test_a_try_that_beats_the_best_clearly_is_judged_on_its_fresh_steps():
+    """A mode that lost for a long time (chains refused) and then wins a try by far (the answer
+    starts repeating its context) takes the next steps at once, not after many more tries."""
+    choice = ModeChoice(("lookup", "root"))
+    feed(choice, {"lookup": 1, "root": 1}, {"lookup": 3.0, "root": 1.0}, 2 * FIRST_STEPS + 200)
+    assert choice.best() == "root" and len(choice.records["lookup"].steps) >= FIRST_STEPS
+    picked = feed(choice, {"lookup": 5, "root": 1}, {"lookup": 1.5, "root": 1.0}, 2 * PROBE_EVERY_MAX)
+    first_try = picked.index("lookup")
+    assert picked[first_try:] == ["lookup"] * (len(picked) - first_try)
+    assert choice.best() == "lookup"
+
+
 def test_records_are_kept_per_key_across_generations():
     guard = DraftGuard()
     guard.begin(("t=1",), ("heads", "root"))
