@@ -294,19 +294,3 @@ def test_failure_inside_a_step_leaves_the_engine_clean(target, monkeypatch):
     assert got == expected[: len(got)] and engine.prefix is None  # nothing half-done is reused
     monkeypatch.setattr(verify_module, "run_target", real)
     assert run_to_end(engine, prompt, GenerationSettings(max_new_tokens=20)).token_ids == expected
-
-
-def test_growing_rows_hold_what_concatenation_would():
-    """The features of the cached tokens grow a step at a time, past the buffer's first size,
-    and a reused prefix is cropped: the rows are always what torch.cat of the steps gives."""
-    from gumiho_core.generate import GrowingRows
-
-    rows, reference = GrowingRows(3, torch.device("cpu")), torch.zeros(0, 3)
-    for step in range(120):
-        new = torch.randn(1 + step % 5, 3)
-        rows.append(new)
-        reference = torch.cat([reference, new])
-        assert torch.equal(rows.rows, reference)
-    rows.crop(100)
-    rows.append(torch.ones(2, 3))
-    assert torch.equal(rows.rows, torch.cat([reference[:100], torch.ones(2, 3)]))
