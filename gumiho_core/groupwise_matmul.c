@@ -368,14 +368,6 @@ AVX2 static void block_avx2(const struct rows_q8 *x, int r0, int rows, const uin
     }
 }
 
-/* One row, as a one-token pass has (plain decoding's every step). block4_avx2 keeps 16 rows'
-   sums in memory and reads and writes them back at every group, with the weights' registers
-   spilled around them: for one row that traffic, not the multiplies, was most of the time
-   (perf, SmolLM2-135M's layers). Here the row's 16 sums stay in registers and each load of
-   weights is used at once. The integer sums are exact in any order and the float steps are
-   add_sums8's, group by group: the same bits as among many rows (tested: row invariance).
-   (Two rows at a time this way were slower than block4_avx2 from 2 rows on: it unpacks a
-   group's weights once for all its rows.) */
 /* The one-row loops read each weight once, in order: asking for the group PREFETCH_GROUPS
    ahead made a one-token pass ~6% faster here (8.66 -> 8.14 ms, context 300, four runs) than
    the hardware prefetcher alone; 2 to 16 groups ahead did alike, and so did keeping the lines
@@ -388,27 +380,25 @@ AVX2 static inline void prefetch_ahead(const uint8_t *weights, int bytes, const 
     _mm_prefetch((const char *)scales, _MM_HINT_NTA);
 }
 
+/* One row, as a one-token pass has (plain decoding's every step). block4_avx2 keeps 16 rows'
+   sums in memory and reads and writes them back at every group, with the weights' registers
+   spilled around them: for one row that traffic, not the multiplies, was most of the time
+   (perf, SmolLM2-135M's layers). Here the row's 16 sums stay in registers, with
+   block4_avx2's own unpacking and pair sums. The integer sums are exact in any order and the float steps are
+   add_sums8's, group by group: the same bits as among many rows (tested: row invariance).
+   (Two rows at a time this way were slower than block4_avx2 from 2 rows on: it unpacks a
+   group's weights once for all its rows.) */
 AVX2 static void row4_avx2(const struct rows_q8 *x, int r, const uint8_t *weights, const uint16_t *scales,
                            int nb, __m256 acc[2]) {
-    __m256i mask = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
     __m256 sum0 = _mm256_setzero_ps(), sum1 = _mm256_setzero_ps();
     for (int g = 0; g < x->groups; g++) {
         long at = (long)nb * x->groups + g, row = (long)r * x->k + 32 * g, rg = (long)r * x->groups + g;
         const int32_t *hi = (const int32_t *)(x->hi + row), *lo = (const int32_t *)(x->lo + row);
-        const uint8_t *nibbles = weights + at * 256;
-        prefetch_ahead(nibbles + PREFETCH_GROUPS * 256, 256, scales + (at + PREFETCH_GROUPS) * 32);
+        prefetch_ahead(weights + (at + PREFETCH_GROUPS) * 256, 256, scales + (at + PREFETCH_GROUPS) * 32);
         for (int h = 0; h < 2; h++) {
-            __m256i hi_pairs = _mm256_setzero_si256(), lo_pairs = _mm256_setzero_si256();
-            for (int p = 0; p < 4; p++) {  /* load 2p + h: tile rows p (low nibbles) and p + 4 (high) */
-                __m256i v = _mm256_loadu_si256((const __m256i *)(nibbles + 32 * (2 * p + h)));
-                __m256i low4 = _mm256_and_si256(v, mask), high4 = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
-                hi_pairs = _mm256_add_epi16(hi_pairs, _mm256_maddubs_epi16(low4, _mm256_set1_epi32(hi[p])));
-                lo_pairs = _mm256_add_epi16(lo_pairs, _mm256_maddubs_epi16(low4, _mm256_set1_epi32(lo[p])));
-                hi_pairs = _mm256_add_epi16(hi_pairs, _mm256_maddubs_epi16(high4, _mm256_set1_epi32(hi[4 + p])));
-                lo_pairs = _mm256_add_epi16(lo_pairs, _mm256_maddubs_epi16(high4, _mm256_set1_epi32(lo[4 + p])));
-            }
-            __m256i sums = _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(hi_pairs, ones), 8),
-                                            _mm256_madd_epi16(lo_pairs, ones));
+            __m256i w[8];
+            unpack_half_avx2(weights, at, h, w);
+            __m256i sums = half_sums_avx2(w, hi, lo);
             __m256 scale = bf16x8_to_ps(scales + at * 32 + 8 * h), low = bf16x8_to_ps(scales + at * 32 + 16 + 8 * h);
             if (h) sum1 = add_sums8(sum1, sums, scale, low, x->scale[rg], x->sum[rg]);
             else sum0 = add_sums8(sum0, sums, scale, low, x->scale[rg], x->sum[rg]);
