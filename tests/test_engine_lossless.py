@@ -294,3 +294,55 @@ def test_failure_inside_a_step_leaves_the_engine_clean(target, monkeypatch):
     assert got == expected[: len(got)] and engine.prefix is None  # nothing half-done is reused
     monkeypatch.setattr(verify_module, "run_target", real)
     assert run_to_end(engine, prompt, GenerationSettings(max_new_tokens=20)).token_ids == expected
+
+
+def test_growing_rows_hold_what_concatenation_would():
+    """The features of the cached tokens grow a step at a time, past the buffer's first size,
+    and a reused prefix is cropped: the rows are always what torch.cat of the steps gives."""
+    from gumiho_core.generate import GrowingRows
+
+    rows, reference = GrowingRows(3, torch.device("cpu")), torch.zeros(0, 3)
+    for step in range(120):
+        new = torch.randn(1 + step % 5, 3)
+        rows.append(new)
+        reference = torch.cat([reference, new])
+        assert torch.equal(rows.rows, reference)
+    rows.crop(100)
+    rows.append(torch.ones(2, 3))
+    assert torch.equal(rows.rows, torch.cat([reference[:100], torch.ones(2, 3)]))
+
+
+def test_a_generation_resumed_from_other_threads_runs_each_step_in_inference_mode(target):
+    """A web server resumes a streaming generator from whichever worker thread is free (Gradio
+    does), and torch's inference mode is per thread: entered once around the generator, it is
+    off for every step resumed elsewhere, and an in-place write to a tensor made under it then
+    fails (this hung the second of two chat tabs once). Every step must run under it, and two
+    answers sharing a prefix, each advanced a step per thread, give plain decoding's tokens."""
+    import threading
+
+    engine = Engine(target, new_heads(target))
+    seen, real_draft = [], engine.drafter.draft
+
+    def draft_and_note(step):
+        seen.append(torch.is_inference_mode_enabled())
+        return real_draft(step)
+
+    engine.drafter.draft = draft_and_note
+    turn1 = random_prompts(1, seed=50)[0]
+
+    def in_threads(prompt):
+        events, tokens = engine.generate(prompt, GenerationSettings(max_new_tokens=12)), []
+        while True:
+            box = []
+            worker = threading.Thread(target=lambda: box.append(next(events, None)))
+            worker.start()
+            worker.join()
+            if box[0] is None:
+                return tokens
+            tokens.extend(t.id for t in getattr(box[0], "tokens", []))
+
+    a1 = in_threads(turn1)
+    turn2 = turn1 + a1 + [5, 6]
+    assert a1 == hf_greedy(target, turn1, 12)
+    assert in_threads(turn2) == hf_greedy(target, turn2, 12) and engine.prefix is not None
+    assert seen and all(seen)
