@@ -70,6 +70,8 @@ class CpuKernels:
                                              P, P, P)
         self._groupwise_matmul = self._typed("groupwise_matmul", INT, P, INT, INT, P, INT, P, INT, P, INT)
         self._decoder_layers = self._typed("decoder_layers", INT, P, P, P, INT, P, P, P, P, LONG, INT, P)
+        self._decoder_pass = self._typed("decoder_pass", INT, P, P, P, P, INT, LONG, INT, P, P, LONG, P, P, P,
+                                         LONG, INT, P, P, P)
         # groupwise_matmul.c runs on AVX2 with FMA, on AVX512-VNNI where the CPU has it with
         # AVX512-BF16 (the same bits), and on AMX for many rows where the CPU has it and Linux
         # grants this process its tile state.
@@ -102,6 +104,28 @@ class CpuKernels:
                                 cos.data_ptr(), sin.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.shape[2],
                                 start, ancestors.data_ptr()):
             raise RuntimeError("decoder_layers refused the pass (sizes its kernels do not take) or found no memory")
+
+    def decoder_pass(self, layers: ctypes.Array, shape: DecoderShape, tokens: torch.Tensor, embedding: torch.Tensor,
+                     cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
+                     values: torch.Tensor, start: int, ancestors: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
+        """A decoding pass from tokens to final-norm features (n, dim) bfloat16: decoder_layers with
+        the rows' embeddings and rotary rows looked up and the final norm applied in C. tokens /
+        positions (n,) int64 contiguous; embedding (vocab, dim) float32 or bfloat16; cos / sin
+        tables (at least max(positions) + 1, head_dim) float32; the rest as decoder_layers."""
+        if tokens.dtype != torch.int64 or not tokens.is_contiguous():
+            tokens = tokens.long().contiguous()
+        if positions.dtype != torch.int64 or not positions.is_contiguous():
+            positions = positions.long().contiguous()
+        n = tokens.shape[0]
+        out = torch.empty(n, shape.dim, dtype=torch.bfloat16)
+        if self._decoder_pass(ctypes.byref(layers), ctypes.byref(shape), tokens.data_ptr(), embedding.data_ptr(),
+                              embedding.dtype == torch.bfloat16, embedding.shape[0], n, cos_table.data_ptr(),
+                              sin_table.data_ptr(), cos_table.shape[0], positions.data_ptr(), keys.data_ptr(),
+                              values.data_ptr(), keys.shape[2], start, ancestors.data_ptr(), norm.data_ptr(),
+                              out.data_ptr()):
+            raise RuntimeError("decoder_pass refused the pass (a token outside the vocabulary, a position outside "
+                               "the rotary table, sizes its kernels do not take) or found no memory")
+        return out
 
     def _typed(self, name: str, result, *arguments):
         function = getattr(self.library, name)

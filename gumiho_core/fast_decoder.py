@@ -255,21 +255,23 @@ class FastDecoder(nn.Module):
         a tree pass is trimmed to its accepted path afterwards (StaticKVCache.keep_path)."""
         n, start = len(tokens), cache.length
         cache.reserve(start + n)
-        cos, sin = self.rope(positions, torch.float32 if self.kernels else self.dtype)
-        if self.row_invariant and (n == 1 or ancestors is not None):
-            # Decoding steps (one token, or a tree): a row's bits do not depend on the pass.
-            # A prefill keeps the flash kernel: plain and speculative decoding share it.
+        # Decoding steps (one token, or a tree): a row's bits do not depend on the pass.
+        # A prefill keeps the flash kernel: plain and speculative decoding share it.
+        decoding = self.row_invariant and (n == 1 or ancestors is not None)
+        if decoding and self.kernels is not None and self.layers_in_one_call is not None:  # one C call
+            self.rope.cover(cache.capacity)  # every position the cache can hold
             plan = self._row_invariant_plan(start, positions, ancestors)
-        else:
-            plan = self._mask(n, start, ancestors)
+            features = self.kernels.decoder_pass(*self.layers_in_one_call, tokens, self.embedding, self.rope.cos,
+                                                 self.rope.sin, positions, cache.keys, cache.values, start,
+                                                 plan.ancestors, self.norm)
+            cache.length = start + n  # as a transformers cache: the new rows are in, kept or not
+            return features
+        cos, sin = self.rope(positions, torch.float32 if self.kernels else self.dtype)
+        plan = self._row_invariant_plan(start, positions, ancestors) if decoding else self._mask(n, start, ancestors)
         x = F.embedding(tokens, self.embedding).to(self.dtype)
-        if isinstance(plan, KernelPlan) and self.layers_in_one_call is not None:
-            self.kernels.decoder_layers(*self.layers_in_one_call, x, cos, sin, cache.keys, cache.values, start,
-                                        plan.ancestors)
-        else:
-            for index, layer in enumerate(self.layers):
-                x = layer(x, cos, sin, cache, index, start, plan)
-        cache.length = start + n  # as a transformers cache: the new rows are in, kept or not
+        for index, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache, index, start, plan)
+        cache.length = start + n
         if self.kernels is not None:  # the layers' own norm kernel: one call, where PyTorch's ran cold
             return self.kernels.add_rms_norm(x.contiguous(), None, self.norm, self.shape["eps"])
         return rms_norm(x, self.norm, self.shape["eps"])
@@ -342,6 +344,11 @@ class RotaryTable(nn.Module):
             self._grow(max(needed, 2 * len(self.cos), 256), positions.device)
         # (n, 1, d): broadcast over the heads of (n, heads, d)
         return self.cos[positions].to(dtype)[:, None], self.sin[positions].to(dtype)[:, None]
+
+    def cover(self, length: int) -> None:
+        """Rows for positions 0 .. length - 1 in the table (on the CPU), for C to look up."""
+        if length > len(self.cos) or self.cos.device.type != "cpu":
+            self._grow(max(length, 2 * len(self.cos), 256), torch.device("cpu"))
 
     def _grow(self, length: int, device) -> None:
         freqs = torch.arange(length, device=device).float()[:, None] * self.inv_freq.to(device)[None, :]

@@ -292,3 +292,34 @@ def test_decoding_in_one_call_past_the_caches_capacity():
                                       for i in range(len(steps))]))
     assert caches[0].capacity == 32 and caches[1].capacity == 512  # 8 -> 16 -> 32 for 26 positions
     assert torch.equal(outputs[0], outputs[1])
+
+
+@pytest.mark.parametrize("table", ["float32", "bfloat16"])
+def test_a_decoding_pass_in_one_call_is_the_bits_of_its_parts(table):
+    """decoder_pass (decoder_layers.c) looks up the rows' embeddings and rotary rows and applies
+    the final norm in C, where PyTorch did it around decoder_layers: the same bits as those parts
+    called one by one; a token outside the vocabulary is refused in words, not read past the table."""
+    import torch.nn.functional as F
+
+    decoder = fast_target("int4").fast
+    if decoder.layers_in_one_call is None:
+        pytest.skip("groupwise_matmul.c does not run here (no AVX2)")
+    decoder.embedding = decoder.embedding.to(getattr(torch, table))
+    prompt, tree = torch.tensor(random_prompts(1, seed=14)[0]), torch.tensor([5, 17, 42, 9, 60])
+    positions = torch.tensor([0, 1, 1, 2, 2]) + len(prompt)
+    ancestors = torch.eye(5, dtype=torch.bool)
+    ancestors[1:, 0] = ancestors[3, 1] = ancestors[4, 2] = True
+    with torch.inference_mode():
+        cache = decoder.new_cache()
+        decoder(prompt, torch.arange(len(prompt)), cache)
+        in_one_call = decoder(tree, positions, cache, ancestors)
+        cache.crop(len(prompt))
+        x = F.embedding(tree, decoder.embedding).to(torch.bfloat16)
+        cos, sin = decoder.rope(positions, torch.float32)
+        decoder.kernels.decoder_layers(*decoder.layers_in_one_call, x, cos.contiguous(), sin.contiguous(),
+                                       cache.keys, cache.values, len(prompt), ancestors.to(torch.uint8).contiguous())
+        by_parts = decoder.kernels.add_rms_norm(x, None, decoder.norm, decoder.shape["eps"])
+        assert torch.equal(in_one_call, by_parts)
+        cache.crop(len(prompt))
+        with pytest.raises(RuntimeError, match="outside the vocabulary"):
+            decoder(torch.tensor([len(decoder.embedding)]), torch.tensor([len(prompt)]), cache)
