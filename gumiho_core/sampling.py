@@ -64,6 +64,15 @@ def _nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return keep
 
 
+def first_argmax(logits: torch.Tensor) -> list[int] | int:
+    """Each row's argmax (the first maximum, as torch.argmax), a list for (N, V) logits, an
+    int for (V,). On a CPU through NumPy: torch's argmax over the default model's 49152 logits
+    took 137 us warm, NumPy's 10 (and ~190 against ~60 us right after a pass, in the loop)."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64) and not logits.requires_grad:
+        return logits.numpy().argmax(-1).tolist()
+    return logits.argmax(-1).tolist()
+
+
 class TokenChooser:
     """The target's decision rule at one position: argmax (greedy) or a distribution."""
 
@@ -81,7 +90,7 @@ class TokenChooser:
         return apply_repetition_penalty(logits, context, self.settings.repetition_penalty)
 
     def greedy_token(self, logits: torch.Tensor, context: torch.Tensor) -> int:
-        return int(torch.argmax(self.processed(logits, context)))
+        return first_argmax(self.processed(logits, context))
 
     def probs(self, logits: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
         return torch.softmax(warp(self.processed(logits, context), self.settings), dim=-1)

@@ -26,7 +26,7 @@ import torch
 from .cpu_matmul import pack_for_rows
 from .draft_tree import DraftTree
 from .errors import GumihoError
-from .sampling import TokenChooser
+from .sampling import TokenChooser, first_argmax
 
 
 @dataclass
@@ -178,7 +178,7 @@ def accept(
     node, path = 0, [0]
     argmax = None
     if chooser.settings.greedy and chooser.settings.repetition_penalty == 1.0:
-        argmax = logits.argmax(-1).tolist()  # one vectorised argmax for every node
+        argmax = first_argmax(logits)  # one vectorised argmax for every node
     while True:
         if argmax is not None:
             choice = argmax[node]

@@ -286,3 +286,18 @@ def test_top_p_keeps_what_transformers_keeps_on_a_large_vocabulary(top_p):
         above = {int(t): float(probs[probs > probs[t]].sum()) for t in torch.nonzero(ours != ref)}
         assert all(abs(mass - top_p) < 1e-5 for mass in above.values()), (spread, above)
         assert len(above) <= 2
+
+
+def test_first_argmax_is_torch_argmax_on_ties_nan_and_every_dtype():
+    """Greedy decoding's choice (NumPy's argmax on a CPU, sampling.first_argmax) is torch.argmax's:
+    the first of tied maxima, the first NaN, per row and for one row."""
+    from gumiho_core.sampling import first_argmax
+
+    logits = torch.randn(6, 49152, generator=torch.Generator().manual_seed(0))
+    logits[1, 5] = logits[1, 40000] = 50.0  # a tie: the first wins
+    logits[2, 300] = logits[2, 20] = float("nan")
+    logits[3, 7] = float("inf")
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        rows = logits.to(dtype)
+        assert first_argmax(rows) == rows.argmax(-1).tolist()
+        assert [first_argmax(row) for row in rows] == [int(row.argmax()) for row in rows]
