@@ -300,12 +300,11 @@ class _Generation:
         self.stats.draft_s += t1 - t0
         self.stats.verify_s += t2 - t1
         self._count_acceptance(tree, result.path)
-        self.features.append(features[result.path])
-        drafted = result.path[1:]
-        tree_tokens = tree.tokens.to(self.device)
-        self.context = torch.cat([self.context, tree_tokens[drafted], self._tensor([result.bonus])])
+        in_layout = result.path == list(range(len(result.path)))  # a slice then, not a gather
+        self.features.append(features[: len(result.path)] if in_layout else features[result.path])
+        self.context = torch.cat([self.context, self._tensor([*result.accepted, result.bonus])])
         self.consistent = True
-        pieces = [(int(tree_tokens[n]), tree.sources[n], tree.depths[n]) for n in drafted]
+        pieces = [(token, tree.sources[n], tree.depths[n]) for token, n in zip(result.accepted, result.path[1:])]
         return self._step_event([*pieces, (result.bonus, "target", 0)], result.rejected, tree_size=len(tree),
                                 draft_ms=(t1 - t0) * 1e3, verify_ms=(t2 - t1) * 1e3)
 

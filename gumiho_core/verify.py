@@ -34,6 +34,7 @@ class Acceptance:
     path: list[int]  # tree nodes kept: root first, then the accepted drafts
     bonus: int  # the target's own token after the path
     rejected: list[int]  # candidate tokens refused at the node where the path stopped
+    accepted: list[int]  # the accepted drafts' tokens (path[1:]'s)
 
 
 def tree_attention_mask(tree: DraftTree, past_len: int, dtype: torch.dtype, device, padding: int = 0) -> torch.Tensor:
@@ -118,12 +119,13 @@ class TargetPasses:
         """One pass over `tree` below `past_len` cached tokens: (features, logits) of its nodes."""
         device, n = self.target.device, len(tree)
         padding = next((size - n for size in self.sizes if size >= n), 0) if n > 1 else 0
+        # Few ops: each runs cold right after a pass (docs/fast_decoder.md, "The glue around a pass").
         tokens = tree.tokens.to(device)
-        depths = torch.tensor(tree.depths + [0] * padding, device=device)
-        if n > 1:
+        positions = torch.tensor([past_len + depth for depth in tree.depths] + [past_len] * padding, device=device)
+        if padding:
             tokens = torch.cat([tokens, tokens[:1].expand(padding)])
-        features, logits = self._run(cache, tokens, past_len + depths, tree=tree, padding=padding)
-        return features[:n], logits[:n]
+        features, logits = self._run(cache, tokens, positions, tree=tree, padding=padding)
+        return (features[:n], logits[:n]) if padding else (features, logits)
 
     def _run(self, cache, tokens, positions, tree=None, padding=0, logits_for=None):
         fast = self.target.fast
@@ -183,13 +185,15 @@ def accept(
         if argmax is not None:
             choice = argmax[node]
         else:  # the repetition penalty reads the node's own context: the tokens so far and its ancestors
-            node_context = torch.cat([context, tree.tokens[path[1:]].to(context.device)])
+            node_context = context
+            if chooser.settings.repetition_penalty != 1.0:  # (three ops a node, cold after a pass: only if read)
+                node_context = torch.cat([context, tree.tokens[path[1:]].to(context.device)])
             choice = chooser.choose(logits[node], node_context)
         kids = tree.children[node]
         nxt = next((c for c in kids if tokens[c] == choice), None)
         if nxt is None:
             refused = dict.fromkeys(tokens[c] for c in kids)  # in draft order, each token once
-            return Acceptance(path, choice, list(refused))
+            return Acceptance(path, choice, list(refused), [tokens[c] for c in path[1:]])
         node = nxt
         path.append(node)
 

@@ -50,7 +50,7 @@ def over_accepting(tree, logits, chooser, context) -> Acceptance:
         draws = [chooser.sample(probs), chooser.sample(probs)]
         taken = [c for c in tree.children[node] if tokens[c] in draws]
         if not taken:
-            return Acceptance(path, draws[0], [])
+            return Acceptance(path, draws[0], [], [tokens[c] for c in path[1:]])
         node = taken[0]
         path.append(node)
 
