@@ -43,6 +43,11 @@ RESET_MARGIN = 1.5  # a try this much faster than the best lately brings the nex
 # (drafter.py; int4, temperature 1: ~40 ms against 11 for a root step); tried every 256 steps,
 # that cost ~2% of the answer's speed.
 TRY_EVERY_LOSS = 100
+# While no other mode's try is due yet, whether one is is asked again only after this many
+# steps: asking means summing every other mode's window (loss), and asked at every step it was
+# most of the guard's own cost (10.7 us a pick and record on warm caches, 0.1 ms a step in the
+# loop). A try is late by at most this many steps against waits of seconds.
+RECHECK_EVERY = 8
 
 
 @dataclass
@@ -119,6 +124,7 @@ class ModeChoice:
         due = [mode for mode in in_turn
                if mode != best and self.since_tried[mode] >= TRY_EVERY_LOSS * self.loss(mode, best)]
         if not due:  # every other mode's try would cost too much yet
+            self.since_probe -= RECHECK_EVERY
             return best
         self.since_probe = 0
         self.probe_every = min(2 * self.probe_every, PROBE_EVERY_MAX)
@@ -149,11 +155,15 @@ class DraftGuard:
         self.modes: tuple[str, ...] = ()
         self.label = ""
         self.current: ModeChoice | None = None
+        self.by_situation: dict[tuple, ModeChoice] = {}  # the current key's choices (begin)
 
     def begin(self, key: tuple, modes: tuple[str, ...], label: str = "") -> None:
         """A generation starts under `key` (its sampling settings and tree), drafting in `modes`;
         `label` names the key in reports."""
         self.key, self.modes, self.label = key, modes, label or str(key)
+        # This key's choices by (situation, modes): hashing the key's settings at every step
+        # cost more than the rest of a pick.
+        self.by_situation = {}
         self.current = self._choice("", modes)
 
     def pick(self, situation: str = "", modes: tuple[str, ...] | None = None) -> str:
@@ -166,10 +176,13 @@ class DraftGuard:
         self.current.add(mode, tokens, seconds)
 
     def _choice(self, situation: str, modes: tuple[str, ...]) -> ModeChoice:
-        key = (self.key, modes, situation)
-        if key not in self.choices:
-            self.choices[key] = ModeChoice(modes, f"{self.label}, {situation}" if situation else self.label)
-        return self.choices[key]
+        choice = self.by_situation.get((situation, modes))
+        if choice is None:
+            key = (self.key, modes, situation)
+            if key not in self.choices:
+                self.choices[key] = ModeChoice(modes, f"{self.label}, {situation}" if situation else self.label)
+            choice = self.by_situation[(situation, modes)] = self.choices[key]
+        return choice
 
     def summary(self) -> list[dict]:
         """Per key and situation met so far: each mode's steps all told, and its tokens per step and

@@ -332,3 +332,18 @@ def test_heads_after_a_stretch_of_root_steps_read_only_the_latest_skipped_tokens
     context = prompt + done.token_ids
     drafter.begin(context, len(context), settings)  # a next turn sharing the whole context
     assert len(drafter.cache) == drafter.whole == drafter.next_position == len(prompt)
+
+
+def test_while_no_try_is_due_the_guard_asks_again_only_every_few_steps(monkeypatch):
+    """Asking whether another mode's try is due sums its window (ModeChoice.loss): asked at every
+    step of a long stretch of the best mode, it was most of the guard's cost. It is asked every
+    RECHECK_EVERY steps, and the dear modes are still tried once their wait is over."""
+    from gumiho_core.draft_guard import RECHECK_EVERY
+
+    choice, asked = ModeChoice(MODES), []
+    real_loss = ModeChoice.loss
+    monkeypatch.setattr(ModeChoice, "loss", lambda self, mode, best: asked.append(mode) or real_loss(self, mode, best))
+    picked = feed(choice, {"heads": 1, "lookup": 1, "root": 1}, {"heads": 0.07, "lookup": 0.07, "root": 0.008}, 3000)
+    asks_per_mode = len(asked) / 2  # heads and lookup are asked about together
+    assert RECHECK_EVERY >= 4 and asks_per_mode <= 3000 / 4  # asked at every step: ~2900
+    assert [i for i, mode in enumerate(picked) if mode != "root" and i > 100]  # still tried now and then
