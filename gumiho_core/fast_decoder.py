@@ -339,21 +339,17 @@ class RotaryTable(nn.Module):
         self.cos = self.sin = torch.zeros(0, head_dim)  # float32, one row per position
 
     def forward(self, positions: torch.Tensor, dtype):
-        needed = int(positions.max()) + 1
-        if needed > len(self.cos) or self.cos.device != positions.device:
-            self._grow(max(needed, 2 * len(self.cos), 256), positions.device)
+        self.cover(int(positions.max()) + 1, positions.device)
         # (n, 1, d): broadcast over the heads of (n, heads, d)
         return self.cos[positions].to(dtype)[:, None], self.sin[positions].to(dtype)[:, None]
 
-    def cover(self, length: int) -> None:
-        """Rows for positions 0 .. length - 1 in the table (on the CPU), for C to look up."""
-        if length > len(self.cos) or self.cos.device.type != "cpu":
-            self._grow(max(length, 2 * len(self.cos), 256), torch.device("cpu"))
-
-    def _grow(self, length: int, device) -> None:
-        freqs = torch.arange(length, device=device).float()[:, None] * self.inv_freq.to(device)[None, :]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.cos, self.sin = emb.cos(), emb.sin()
+    def cover(self, length: int, device=torch.device("cpu")) -> None:
+        """Rows for positions 0 .. length - 1 in the table, on `device` (the CPU: for C to look up)."""
+        if length > len(self.cos) or self.cos.device != torch.device(device):
+            length = max(length, 2 * len(self.cos), 256)
+            freqs = torch.arange(length, device=device).float()[:, None] * self.inv_freq.to(device)[None, :]
+            emb = torch.cat([freqs, freqs], dim=-1)
+            self.cos, self.sin = emb.cos(), emb.sin()
 
 
 def decoder_shape(config) -> dict:

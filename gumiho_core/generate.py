@@ -300,8 +300,7 @@ class _Generation:
         self.stats.draft_s += t1 - t0
         self.stats.verify_s += t2 - t1
         self._count_acceptance(tree, result.path)
-        in_layout = result.path == list(range(len(result.path)))  # a slice then, not a gather
-        self.features.append(features[: len(result.path)] if in_layout else features[result.path])
+        self.features.append(features[result.path])
         self.context = torch.cat([self.context, self._tensor([*result.accepted, result.bonus])])
         self.consistent = True
         pieces = [(token, tree.sources[n], tree.depths[n]) for token, n in zip(result.accepted, result.path[1:])]

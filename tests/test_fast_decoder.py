@@ -250,6 +250,16 @@ def test_without_the_cpu_kernels_int4_runs_on_pytorch_and_stays_lossless(monkeyp
     assert spec.token_ids == plain.token_ids
 
 
+def tree_after_a_prompt(seed: int):
+    """(prompt, tree tokens, their positions, ancestors): a 5-node tree, two branches of depth 2
+    below its root, after a random prompt."""
+    prompt, tree = torch.tensor(random_prompts(1, seed=seed)[0]), torch.tensor([5, 17, 42, 9, 60])
+    positions = torch.tensor([0, 1, 1, 2, 2]) + len(prompt)
+    ancestors = torch.eye(5, dtype=torch.bool)
+    ancestors[1:, 0] = ancestors[3, 1] = ancestors[4, 2] = True
+    return prompt, tree, positions, ancestors
+
+
 def test_int4_decoding_passes_run_every_layer_in_one_call(monkeypatch):
     """decoder_layers.c: where the int4 products run on groupwise_matmul.c, a decoding pass (a
     tree here) is one call for every layer, never the per-layer path; it computes what that
@@ -260,10 +270,7 @@ def test_int4_decoding_passes_run_every_layer_in_one_call(monkeypatch):
     decoder = fast_target("int4").fast
     if decoder.layers_in_one_call is None:
         pytest.skip("groupwise_matmul.c does not run here (no AVX2)")
-    prompt, tree = torch.tensor(random_prompts(1, seed=12)[0]), torch.tensor([5, 17, 42, 9, 60])
-    positions = torch.tensor([0, 1, 1, 2, 2]) + len(prompt)
-    ancestors = torch.eye(5, dtype=torch.bool)
-    ancestors[1:, 0] = ancestors[3, 1] = ancestors[4, 2] = True
+    prompt, tree, positions, ancestors = tree_after_a_prompt(seed=12)
     with torch.inference_mode():
         cache = decoder.new_cache()
         decoder(prompt, torch.arange(len(prompt)), cache)
@@ -305,10 +312,7 @@ def test_a_decoding_pass_in_one_call_is_the_bits_of_its_parts(table):
     if decoder.layers_in_one_call is None:
         pytest.skip("groupwise_matmul.c does not run here (no AVX2)")
     decoder.embedding = decoder.embedding.to(getattr(torch, table))
-    prompt, tree = torch.tensor(random_prompts(1, seed=14)[0]), torch.tensor([5, 17, 42, 9, 60])
-    positions = torch.tensor([0, 1, 1, 2, 2]) + len(prompt)
-    ancestors = torch.eye(5, dtype=torch.bool)
-    ancestors[1:, 0] = ancestors[3, 1] = ancestors[4, 2] = True
+    prompt, tree, positions, ancestors = tree_after_a_prompt(seed=14)
     with torch.inference_mode():
         cache = decoder.new_cache()
         decoder(prompt, torch.arange(len(prompt)), cache)
