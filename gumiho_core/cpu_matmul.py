@@ -66,7 +66,13 @@ class PackedBF16Linear(nn.Module):
     call: a 576 -> 1536 product costs ~78 us on this CPU whatever the row count. Reordered
     once at load (as inductor's freezing does), the same product takes ~32 us for one row and
     ~40 us for sixteen (AMX tiles): a tree pass costs about what a one-token pass does, and a
-    row's bits do not depend on how many rows share the pass (tested)."""
+    row's bits do not depend on how many rows share the pass (tested).
+
+    One row goes through as two (the row twice, the first answer kept): oneDNN takes another
+    kernel for a single row, which on a CPU without AMX (AMD EPYC, AVX512-BF16) sums long
+    rows in another order than the many-row one: in a 1536 -> 576 product 19 of 115200
+    outputs came out one bfloat16 step apart, and speculative answers parted from plain ones
+    on the default model. Two rows and more agree with each other; the copy costs ~7 us."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -77,6 +83,9 @@ class PackedBF16Linear(nn.Module):
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().bfloat16(), False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() == self.in_features:  # one row: as the first of two (see above)
+            y = torch.ops.mkldnn._linear_pointwise(x.reshape(1, -1).expand(2, -1), self.packed, self.bias, "none", [], "")
+            return y[0].reshape(*x.shape[:-1], self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 

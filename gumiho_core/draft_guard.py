@@ -121,8 +121,7 @@ class ModeChoice:
         if self.since_probe <= self.probe_every or len(self.modes) == 1:
             return best
         in_turn = [self.modes[(self.next_probe + i) % len(self.modes)] for i in range(len(self.modes))]
-        due = [mode for mode in in_turn
-               if mode != best and self.since_tried[mode] >= TRY_EVERY_LOSS * self.loss(mode, best)]
+        due = [mode for mode in in_turn if mode != best and self.since_tried[mode] >= self.try_wait(mode, best)]
         if not due:  # every other mode's try would cost too much yet
             self.since_probe -= RECHECK_EVERY
             return best
@@ -130,6 +129,13 @@ class ModeChoice:
         self.probe_every = min(2 * self.probe_every, PROBE_EVERY_MAX)
         self.next_probe = self.modes.index(due[0]) + 1  # the next try starts after this one, in turn
         return due[0]
+
+    def try_wait(self, mode: str, best: str) -> float:
+        """Seconds of steps since `mode`'s last step before it is tried again: TRY_EVERY_LOSS times
+        what a step of it loses lately, and more the more tries in a row changed nothing, as the
+        steps between tries (probe_every) grow: up to 16x, so a mode that keeps losing costs a
+        share of the time that falls as the chat goes on instead of a fixed ~1% per dear mode."""
+        return TRY_EVERY_LOSS * self.loss(mode, best) * self.probe_every / PROBE_EVERY
 
     def loss(self, mode: str, best: str) -> float:
         """Seconds a step of `mode` took lately beyond what `best` takes for the same tokens."""

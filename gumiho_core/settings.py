@@ -42,7 +42,7 @@ class TreeSettings:
     # Under greedy decoding too, draft only as far as drafting pays lately (draft_guard.py:
     # the full tree, the looked-up chain, or the root alone). Off where the heads' trees
     # pay at greedy (the guard's probes cost a little); on where a tree row costs a large
-    # share of a pass (`avx2_int4_cpu`).
+    # share of a pass (`int4_cpu_without_amx`).
     guard_greedy: bool = False
 
     def __post_init__(self):
@@ -54,18 +54,21 @@ class TreeSettings:
 
     @classmethod
     def weight_only_cpu(cls) -> "TreeSettings":
-        """For int8 / int4 targets on a CPU, where a pass over 3 tokens costs 1.15x a one-token
-        pass but 6 tokens 1.7x (SmolLM2-135M int4, 2 cores): the tree the measured budget chose
-        there (mt_bench 20 x 256: top_k 4, 3 nodes, depth 1, plus the lookup branch)."""
+        """For int8 / int4 targets on a CPU with AMX (or PyTorch's kernels), where a pass over
+        3 tokens costs 1.15x a one-token pass but 6 tokens 1.7x (SmolLM2-135M int4, 2 Intel Xeon
+        cores): the tree the measured budget chose there (mt_bench 20 x 256: top_k 4, 3 nodes,
+        depth 1, plus the lookup branch)."""
         return cls(top_k=4, total_tokens=3, depth=1, mlp_topk=4, pruning=8)
 
     @classmethod
-    def avx2_int4_cpu(cls) -> "TreeSettings":
-        """For int4 targets on a CPU without AVX-512 (groupwise_matmul.c's AVX2 path), where each
-        row of a pass costs 30-40% of a one-token pass (SmolLM2-135M, 2 AMD EPYC cores): the best
-        draft token and a shorter looked-up chain, guarded under greedy decoding too. Measured
-        there (mt_bench 20 x 256, docs/benchmarks.md): drafting every step 0.91x plain (tau
-        2.42), guarded 0.98x."""
+    def int4_cpu_without_amx(cls) -> "TreeSettings":
+        """For int4 targets on a CPU without AMX (groupwise_matmul.c on AVX2, or on AVX512-VNNI
+        as AMD's Zen 4 has it), where each row of a pass costs 30-40% of a one-token pass
+        (SmolLM2-135M, 2 AMD EPYC cores: ~3 ms a row on AVX2, ~1.5 ms on VNNI): the best draft
+        token and a shorter looked-up chain, guarded under greedy decoding too. Measured
+        (mt_bench 20 x 256, docs/benchmarks.md): AVX2, drafting every step 0.91x plain (tau
+        2.42), guarded 0.98x; VNNI, against the AMX machine's tree (0.84x, paired 0.90x) and
+        other guarded ones, interleaved: 1.15x and 1.21x (paired 1.12x, 1.13x) in two runs."""
         return cls(top_k=2, total_tokens=2, depth=1, mlp_topk=4, pruning=8, lookup_tokens=4, guard_greedy=True)
 
     def with_overrides(self, **given) -> "TreeSettings":

@@ -36,7 +36,7 @@ def main(old: str, context: int) -> None:
     with torch.inference_mode():
         cache = decoder.new_cache(2048)
         decoder(torch.randint(0, 1000, (context,)), torch.arange(context), cache)
-        for rows in (1, 2, 4, 6):
+        for rows in (1, 2, 3, 4, 6, 8, 11, 16):
             ancestors = torch.ones(rows, rows, dtype=torch.bool).tril()
             times = {name: [] for name, _ in libraries}
             for _ in range(25):

@@ -47,6 +47,22 @@ def test_packed_bfloat16_computes_what_a_bfloat16_linear_computes(bias):
     assert isinstance(fast_module[0], PackedBF16Linear) and type(module[0]) is nn.Linear  # a copy
 
 
+@pytest.mark.skipif(not bf16_packing_available(), reason="no oneDNN bfloat16 on this CPU")
+def test_a_packed_bfloat16_row_has_the_same_bits_alone_and_among_others():
+    """oneDNN's one-row kernel summed a 1536-long row in another order than its many-row kernel
+    on an AMD CPU with AVX512-BF16 (19 of 115200 outputs one bfloat16 step apart), which parted
+    speculative answers from plain ones: a one-row pass and a tree pass must give a row the
+    same bits."""
+    torch.manual_seed(0)
+    fast = PackedBF16Linear(nn.Linear(1536, 576, bias=False))
+    x = (torch.randn(200, 1536) * torch.rand(200, 1) * 4).bfloat16()
+    alone = torch.cat([fast(x[r : r + 1]) for r in range(200)])
+    for rows in (2, 3, 8, 16):
+        among = torch.cat([fast(x[r : r + rows])[:1] for r in range(200 - rows)])
+        assert torch.equal(among, alone[: 200 - rows]), rows
+    assert torch.equal(fast(x[0]), alone[0])  # a 1-D row too
+
+
 needs_packing = pytest.mark.skipif(not PACKING_AVAILABLE, reason="PyTorch built without MKL")
 
 

@@ -98,7 +98,7 @@ def test_the_default_engine_runs_on_the_fast_decoder_alone():
     engine, note = load_engine(None, None)
     target = engine.target
     kernels, _ = groupwise_kernels()
-    int4_tree = TreeSettings.avx2_int4_cpu() if kernels is not None and not kernels.avx512 else \
+    int4_tree = TreeSettings.int4_cpu_without_amx() if kernels is not None and not kernels.amx else \
         TreeSettings.weight_only_cpu()
     expected = ("int4", int4_tree) if int4_runs_well() else ("float32", TreeSettings())
     assert note == "shipped" and target.fast is not None

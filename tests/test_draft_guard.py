@@ -37,7 +37,8 @@ def test_every_mode_is_timed_first_then_the_fastest_wins_with_probes_of_the_othe
 
 def test_the_wait_between_tries_stops_doubling_and_starts_over_when_the_best_changes():
     choice = ModeChoice(("heads", "root"))
-    picked = feed(choice, {"heads": 1, "root": 1}, {"heads": 2.0, "root": 1.0}, 2 * FIRST_STEPS + 3000)
+    # A cheap loss (0.05 of a step), so the step count, not the time, sets when a try is due.
+    picked = feed(choice, {"heads": 1, "root": 1}, {"heads": 1.05, "root": 1.0}, 2 * FIRST_STEPS + 3000)
     tries = [i for i, m in enumerate(picked) if m == "heads"][FIRST_STEPS:]
     gaps = [b - a - 1 for a, b in zip(tries, tries[1:])]
     assert max(gaps) == PROBE_EVERY_MAX and gaps[-1] == PROBE_EVERY_MAX
@@ -52,7 +53,7 @@ def test_a_dear_try_waits_until_its_loss_is_a_small_share_of_the_time():
     0.1 s) still comes when the step count says."""
     choice = ModeChoice(MODES)
     tokens, seconds = {"heads": 1, "lookup": 1, "root": 1}, {"heads": 3.0, "lookup": 1.1, "root": 1.0}
-    picked = feed(choice, tokens, seconds, 3 * FIRST_STEPS + 3000)[3 * FIRST_STEPS :]
+    picked = feed(choice, tokens, seconds, 3 * FIRST_STEPS + 10000)[3 * FIRST_STEPS :]
     clock, last, waits = 0.0, {"heads": None, "lookup": None}, {"heads": [], "lookup": []}
     for mode in picked:
         if mode != "root":
@@ -65,6 +66,31 @@ def test_a_dear_try_waits_until_its_loss_is_a_small_share_of_the_time():
     assert tries[:3] == ["lookup"] * 3  # the cheap try is not held back while the dear one waits
     lost = picked.count("heads") * 2.0 + picked.count("lookup") * 0.1
     assert lost / clock < 0.015
+
+
+def test_a_dear_mode_that_keeps_losing_is_tried_ever_more_rarely_and_sooner_again_when_things_change():
+    """Every try that changes nothing lengthens the time before the next one, as it does the
+    steps: a fixed wait of 100x the loss cost ~1% of the time for each dear mode for as long as
+    the chat ran (int4, temperature 1: heads tries ~1.6% of a run). Once the best mode changes,
+    tries come at the first wait again."""
+    choice = ModeChoice(("heads", "root"))
+    seconds = {"heads": 3.0, "root": 1.0}  # a heads step loses 2 s against the root
+    picked = feed(choice, {"heads": 1, "root": 1}, seconds, 2 * FIRST_STEPS + 60000)[2 * FIRST_STEPS :]
+    times, clock = [], 0.0
+    for mode in picked:
+        if mode == "heads":
+            times.append(clock)
+        clock += seconds[mode]
+    waits = [b - a for a, b in zip(times, times[1:])]
+    assert waits[0] >= TRY_EVERY_LOSS * 2.0 and waits[-1] >= 16 * TRY_EVERY_LOSS * 2.0  # 16x the first rule's
+    assert all(later >= earlier for earlier, later in zip(waits, waits[1:]))
+    late = [mode for mode in picked[len(picked) // 2 :]]
+    assert 2.0 * late.count("heads") / len(late) < 0.002  # what tries cost late in a long chat
+    for _ in range(200):  # the root turns slow: heads wins
+        feed(choice, {"heads": 1, "root": 1}, {"heads": 3.0, "root": 4.0}, 1)
+        if choice.last_best == "heads":
+            break
+    assert choice.try_wait("root", "heads") == TRY_EVERY_LOSS * choice.loss("root", "heads") > 0
 
 
 def test_even_modes_go_to_the_cheaper_one():
