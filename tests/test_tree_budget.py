@@ -96,3 +96,21 @@ def test_a_tree_chosen_on_a_busy_machine_is_chosen_again(tmp_path, monkeypatch):
     again, report = choose_tree(engine)
     assert len(calibrations) == 3 and not curves and not disturbed(report["cost_curve_ms"])
     assert not disturbed(json.loads(choice_file.read_text())["cost_curve_ms"])
+
+
+def test_an_automatic_tree_keeps_the_defaults_chain_and_guards_where_it_expects_no_clear_gain():
+    """The budget measures the heads' trees alone: the looked-up chain's length and the guard
+    stay the default's, and a best tree not expected to beat plain decoding by 10% is guarded
+    (on an AMD CPU without AMX, 2/3/1 expected at 1.03x plain ran at 0.84-0.90x unguarded)."""
+    from gumiho_core.loading import measured_shape_on
+
+    default = TreeSettings.int4_cpu_without_amx()
+    measured = TreeSettings(top_k=2, total_tokens=3, depth=1, mlp_topk=2, pruning=4, lookup_tokens=8)
+    barely = {"best": {"tokens_per_s": 197.5}, "plain_tokens_per_s": 191.4}
+    tree = measured_shape_on(TreeSettings.weight_only_cpu(), measured, barely)
+    assert (tree.top_k, tree.total_tokens, tree.depth) == (2, 3, 1)
+    assert tree.lookup_tokens == TreeSettings.weight_only_cpu().lookup_tokens and tree.guard_greedy
+    clearly = {"best": {"tokens_per_s": 140.0}, "plain_tokens_per_s": 100.0}
+    assert not measured_shape_on(TreeSettings.weight_only_cpu(), measured, clearly).guard_greedy
+    kept = measured_shape_on(default, measured, clearly)  # the default guards: so does its shape
+    assert kept.guard_greedy and kept.lookup_tokens == default.lookup_tokens == 4
