@@ -26,6 +26,7 @@ checks that speculative and plain outputs stay identical. The benchmark's cost c
 from __future__ import annotations
 
 import copy
+import functools
 
 import torch
 import torch.nn as nn
@@ -68,11 +69,13 @@ class PackedBF16Linear(nn.Module):
     ~40 us for sixteen (AMX tiles): a tree pass costs about what a one-token pass does, and a
     row's bits do not depend on how many rows share the pass (tested).
 
-    One row goes through as two (the row twice, the first answer kept): oneDNN takes another
-    kernel for a single row, which on a CPU without AMX (AMD EPYC, AVX512-BF16) sums long
-    rows in another order than the many-row one: in a 1536 -> 576 product 19 of 115200
-    outputs came out one bfloat16 step apart, and speculative answers parted from plain ones
-    on the default model. Two rows and more agree with each other; the copy costs ~7 us."""
+    Where a shape needs it, one row goes through as two (the row twice, the first answer
+    kept): oneDNN takes another kernel for a single row, which on a CPU without AMX (AMD EPYC,
+    AVX512-BF16) sums a 1536-long row in another order than the many-row one (19 of 115200
+    outputs one bfloat16 step apart), and speculative answers parted from plain ones on the
+    default model. Two rows and more agree with each other. Which shapes need it is measured
+    once per shape (_one_row_sums_differently): padding every product cost a one-token
+    pass 13% (17.2 -> 19.3 ms), the down products alone ~0.5 ms."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -81,12 +84,32 @@ class PackedBF16Linear(nn.Module):
         # A plain attribute, not a buffer: the blocked tensor must not be moved or cast.
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().bfloat16(), False)
+        self.one_row_as_two = _one_row_sums_differently(self.in_features, self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() == self.in_features:  # one row: as the first of two (see above)
+        if self.one_row_as_two and x.numel() == self.in_features:  # as the first of two (see above)
             y = torch.ops.mkldnn._linear_pointwise(x.reshape(1, -1).expand(2, -1), self.packed, self.bias, "none", [], "")
             return y[0].reshape(*x.shape[:-1], self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+@functools.cache
+def _one_row_sums_differently(in_features: int, out_features: int) -> bool:
+    """Whether oneDNN's one-row bfloat16 kernel for this shape sums a row in another order than
+    its many-row kernel on this CPU: random rows, each alone and as the first of two, ~130k
+    outputs. Where the orders differ some outputs come out a step apart (1536 -> 576 on the
+    AMD EPYC: ~1.6e-4 of them, so ~20 here); where they are the same, none can."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(out_features, in_features, generator=generator).bfloat16()
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+    rows = max(8, 2**17 // out_features)
+    x = (torch.randn(rows + 1, in_features, generator=generator) * 4).bfloat16()
+
+    def product(rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [], "")
+
+    with torch.inference_mode():
+        return any(not torch.equal(product(x[r : r + 1])[0], product(x[r : r + 2])[0]) for r in range(rows))
 
 
 def bf16_packing_available() -> bool:
