@@ -159,4 +159,3 @@ def measured_shape_on(base: TreeSettings, measured: TreeSettings, report: dict) 
     measures a gain)."""
     clear_gain = report["best"]["tokens_per_s"] >= GUARD_UNLESS_EXPECTED * report["plain_tokens_per_s"]
     return replace(measured, lookup_tokens=base.lookup_tokens, guard_greedy=base.guard_greedy or not clear_gain)
-
