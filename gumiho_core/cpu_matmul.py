@@ -88,9 +88,14 @@ class PackedBF16Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.one_row_as_two and x.numel() == self.in_features:  # as the first of two (see above)
-            y = torch.ops.mkldnn._linear_pointwise(x.reshape(1, -1).expand(2, -1), self.packed, self.bias, "none", [], "")
+            y = _onednn_product(x.reshape(1, -1).expand(2, -1), self.packed, self.bias)
             return y[0].reshape(*x.shape[:-1], self.out_features)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return _onednn_product(x, self.packed, self.bias)
+
+
+def _onednn_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W.T (+ bias) in bfloat16 on oneDNN, W reordered once (_reorder_linear_weight)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 @functools.cache
@@ -104,12 +109,9 @@ def _one_row_sums_differently(in_features: int, out_features: int) -> bool:
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
     rows = max(8, 2**17 // out_features)
     x = (torch.randn(rows + 1, in_features, generator=generator) * 4).bfloat16()
-
-    def product(rows: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [], "")
-
     with torch.inference_mode():
-        return any(not torch.equal(product(x[r : r + 1])[0], product(x[r : r + 2])[0]) for r in range(rows))
+        return any(not torch.equal(_onednn_product(x[r : r + 1], packed, None)[0],
+                                   _onednn_product(x[r : r + 2], packed, None)[0]) for r in range(rows))
 
 
 def bf16_packing_available() -> bool:

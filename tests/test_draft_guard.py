@@ -84,7 +84,7 @@ def test_a_dear_mode_that_keeps_losing_is_tried_ever_more_rarely_and_sooner_agai
     waits = [b - a for a, b in zip(times, times[1:])]
     assert waits[0] >= TRY_EVERY_LOSS * 2.0 and waits[-1] >= 16 * TRY_EVERY_LOSS * 2.0  # 16x the first rule's
     assert all(later >= earlier for earlier, later in zip(waits, waits[1:]))
-    late = [mode for mode in picked[len(picked) // 2 :]]
+    late = picked[len(picked) // 2 :]
     assert 2.0 * late.count("heads") / len(late) < 0.002  # what tries cost late in a long chat
     for _ in range(200):  # the root turns slow: heads wins
         feed(choice, {"heads": 1, "root": 1}, {"heads": 3.0, "root": 4.0}, 1)

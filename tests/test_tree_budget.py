@@ -105,7 +105,7 @@ def test_an_automatic_tree_keeps_the_defaults_chain_and_guards_where_it_expects_
     from gumiho_core.loading import measured_shape_on
 
     default = TreeSettings.int4_cpu_without_amx()
-    measured = TreeSettings(top_k=2, total_tokens=3, depth=1, mlp_topk=2, pruning=4, lookup_tokens=8)
+    measured = TreeSettings(top_k=2, total_tokens=3, depth=1, mlp_topk=2, pruning=4, lookup_tokens=6)
     barely = {"best": {"tokens_per_s": 197.5}, "plain_tokens_per_s": 191.4}
     tree = measured_shape_on(TreeSettings.weight_only_cpu(), measured, barely)
     assert (tree.top_k, tree.total_tokens, tree.depth) == (2, 3, 1)
