@@ -5,7 +5,11 @@ and loads them back through `load_target`, the code path users take, and reports
 losslessness (speculative == plain token ids) in fp16 / bf16 / bitsandbytes 4-bit and 8-bit
 on CUDA, flash-attn prefill (or, where flash-attn is not installed, PyTorch's own flash SDPA
 kernel against its math kernel), and the verification cost curve (ms per target pass by
-tree tokens) for targets shaped like SmolLM2-135M, a 1B Llama and Llama-2-7B / Vicuna-7B.
+tree tokens) for targets shaped like SmolLM2-135M, a 1B Llama and Llama-2-7B / Vicuna-7B, and
+for the same three shapes in bfloat16: plain and Gumiho (the paper's tree) decoding speed on
+both eager paths, transformers' forward and the lean decoder (fast_decoder.py), with the step
+costs and what they project at the paper's tau. (No compiled path exists yet: torch.compile
+did not pay on the CPU, docs/fast_decoder.md; CUDA graphs are what a GPU would need.)
 
 `--device cpu --quick` runs the same code on small sizes here, to check the script itself.
 """
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -26,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from gumiho_core import Engine, GenerationSettings, TreeSettings, load_target, new_heads, run_to_end  # noqa: E402
 from gumiho_core.attention import use_packed_gqa  # noqa: E402
-from gumiho_core.target import Target  # noqa: E402
+from gumiho_core.target import Target, attach_fast_decoder  # noqa: E402
 from gumiho_core.tree_budget import _sync, measure_cost_curve  # noqa: E402
 
 # name: (hidden, layers, heads, kv heads, intermediate, vocab)
@@ -108,6 +113,36 @@ def divergence(target, prompt, spec, plain):
             "logit_scale": round(float(logits.abs().max()), 3)}
 
 
+PAPER_TAU = 5.29  # Gumiho, Vicuna 7B, MT-Bench (../shared/GUMIHO.md)
+
+
+def decode_speed(target, prompts=3, new=64):
+    """Plain and Gumiho (the paper's tree, untrained heads) on `target`: tokens/s, ms a step,
+    and what the steps' costs project at the paper's tau (random weights accept ~nothing, so
+    the measured tau says nothing; the cost of a tree step does)."""
+    engine = Engine(target, new_heads(target))
+    g = torch.Generator().manual_seed(2)
+    methods = {"plain": GenerationSettings(max_new_tokens=new, speculative=False),
+               "gumiho": GenerationSettings(max_new_tokens=new, tree=TreeSettings.gpu())}
+    for settings in methods.values():  # warm-up
+        run_to_end(engine, list(range(3, 35)), settings.with_(max_new_tokens=8))
+    runs, same, result = {"plain": [], "gumiho": []}, 0, {}
+    for _ in range(prompts):
+        ids = torch.randint(3, target.vocab_size, (64,), generator=g).tolist()
+        done = {label: run_to_end(engine, ids, settings) for label, settings in methods.items()}
+        same += done["plain"].token_ids == done["gumiho"].token_ids
+        for label, event in done.items():
+            runs[label].append(event.stats)
+    for label, stats in runs.items():
+        steps = [(s.total_s - s.ttft_s) / max(s.forward_passes - 1, 1) * 1e3 for s in stats]
+        result[label] = {"tokens_per_s": statistics.median(s.tokens_per_s for s in stats),
+                         "ms_per_step": statistics.median(steps), "tau": statistics.median(s.tau for s in stats)}
+    result["identical_answers"] = f"{same}/{prompts}"
+    result["projected_speedup_at_paper_tau"] = round(
+        PAPER_TAU * result["plain"]["ms_per_step"] / result["gumiho"]["ms_per_step"], 2)
+    return result
+
+
 def prefill_ms(target, tokens, reps=5):
     ids = torch.randint(3, target.vocab_size, (1, tokens), device=target.device)
     times = []
@@ -177,6 +212,21 @@ def main():
             torch.cuda.empty_cache() if dev == "cuda" else None
             return {"ms_by_tree_tokens": ms, "relative_to_1": {n: round(v / ms[1], 3) for n, v in ms.items()}}
         checks[f"cost_curve_{shape}_bf16"] = curve
+
+    for shape in curve_shapes:
+        for path in ("transformers", "fast"):
+            def speed(shape=shape, path=path):
+                dtype = torch.float32 if dev == "cpu" else torch.bfloat16
+                t = built_target(shape, dtype, dev)
+                if path == "fast":
+                    attach_fast_decoder(t, "float32" if dev == "cpu" else "bfloat16")
+                    if t.fast is None:
+                        return {"skipped": t.fast_note}
+                result = decode_speed(t, prompts=1 if args.quick else 3, new=16 if args.quick else 64)
+                del t
+                torch.cuda.empty_cache() if dev == "cuda" else None
+                return result
+            checks[f"decode_speed_{shape}_{path}"] = speed
 
     for name, fn in checks.items():
         if args.only not in name:
