@@ -156,6 +156,74 @@ def prefill_ms(target, tokens, reps=5):
     return sorted(times)[len(times) // 2]
 
 
+def lossless_checks(dev: str, quick: bool) -> dict:
+    """Speculative == plain on a saved random target, loaded as users load one, per precision."""
+    trees, prompts, folder = [TreeSettings(), TreeSettings.gpu()], 2 if quick else 6, saved_folder()
+    checks = {}
+    for name in ("float16", "bfloat16", "float32"):
+        checks[f"lossless_{name}"] = lambda name=name: lossless(load_target(folder, dtype=name, device=dev),
+                                                                trees, prompts=prompts)
+    for bits in ("4bit", "8bit"):
+        checks[f"lossless_bnb_{bits}"] = lambda bits=bits: lossless(
+            load_target(folder, dtype="float16", quantize=bits, device=dev), trees, prompts=prompts)
+    return checks
+
+
+def flash_prefill(dev: str, quick: bool) -> dict:
+    dtype = torch.bfloat16
+    try:
+        import flash_attn  # noqa: F401
+        t = built_target("llama-1b", dtype, dev, attn="flash_attention_2")
+        return {"flash_attn": flash_attn.__version__, "prefill_2048_ms": prefill_ms(t, 2048)}
+    except ImportError:
+        pass
+    # No flash-attn package (it needs a CUDA build): PyTorch's SDPA carries FlashAttention-2
+    # kernels of its own; compare them with the math kernel on the same prefill.
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    t = built_target("llama-1b", dtype, dev)
+    t.model.set_attn_implementation("sdpa")  # plain SDPA for a prefill: the packed form is for trees
+    result = {"flash_attn": "not installed (needs a CUDA build); PyTorch SDPA kernels compared"}
+    for label, backend in [("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_math", SDPBackend.MATH)]:
+        with sdpa_kernel(backend):
+            result[f"{label}_prefill_2048_ms"] = prefill_ms(t, 256 if quick else 2048)
+    return result
+
+
+def shape_checks(dev: str, quick: bool) -> dict:
+    """Per target shape: the verification cost curve, and decoding speed on both eager paths."""
+    sizes = (1, 2, 4, 8) if quick else (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
+    dtype = torch.float32 if dev == "cpu" else torch.bfloat16
+
+    def free_gpu_memory() -> None:  # what the last target held, once the caller has let it go
+        torch.cuda.empty_cache() if dev == "cuda" else None
+
+    def curve(shape):
+        t = built_target(shape, dtype, dev)
+        ms = measure_cost_curve(t, sizes=sizes, context=512, reps=10, use_cache=False)
+        del t
+        free_gpu_memory()
+        return {"ms_by_tree_tokens": ms, "relative_to_1": {n: round(v / ms[1], 3) for n, v in ms.items()}}
+
+    def speed(shape, path):
+        t = built_target(shape, dtype, dev)
+        if path == "fast":
+            attach_fast_decoder(t, str(dtype).removeprefix("torch."))
+            if t.fast is None:
+                return {"skipped": t.fast_note}
+        result = decode_speed(t, prompts=1 if quick else 3, new=16 if quick else 64)
+        del t
+        free_gpu_memory()
+        return result
+
+    checks = {}
+    for shape in ["small"] if quick else ["smollm2-135m", "llama-1b", "llama2-7b"]:
+        checks[f"cost_curve_{shape}_bf16"] = lambda shape=shape: curve(shape)
+        for path in ("transformers", "fast"):
+            checks[f"decode_speed_{shape}_{path}"] = lambda shape=shape, path=path: speed(shape, path)
+    return checks
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="gpu.json")
@@ -164,70 +232,12 @@ def main():
     p.add_argument("--only", default="", help="run only the checks whose names contain this")
     args = p.parse_args()
     dev = args.device
-    report = {"device": torch.cuda.get_device_name(0) if dev == "cuda" else "cpu",
-              "torch": torch.__version__}
     import transformers
-    report["transformers"] = transformers.__version__
-    trees = [TreeSettings(), TreeSettings.gpu()]
-    prompts = 2 if args.quick else 6
-    folder = saved_folder()
-    checks = {}
-    for name in ("float16", "bfloat16", "float32"):
-        checks[f"lossless_{name}"] = lambda name=name: lossless(load_target(folder, dtype=name, device=dev),
-                                                                trees, prompts=prompts)
-    for bits in ("4bit", "8bit"):
-        checks[f"lossless_bnb_{bits}"] = lambda bits=bits: lossless(
-            load_target(folder, dtype="float16", quantize=bits, device=dev), trees, prompts=prompts)
 
-    def flash():
-        dtype = torch.bfloat16
-        try:
-            import flash_attn  # noqa: F401
-            t = built_target("llama-1b", dtype, dev, attn="flash_attention_2")
-            return {"flash_attn": flash_attn.__version__, "prefill_2048_ms": prefill_ms(t, 2048)}
-        except ImportError:
-            pass
-        # No flash-attn package (it needs a CUDA build): PyTorch's SDPA carries FlashAttention-2
-        # kernels of its own; compare them with the math kernel on the same prefill.
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        t = built_target("llama-1b", dtype, dev)
-        t.model.set_attn_implementation("sdpa")  # plain SDPA for a prefill: the packed form is for trees
-        result = {"flash_attn": "not installed (needs a CUDA build); PyTorch SDPA kernels compared"}
-        for label, backend in [("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_math", SDPBackend.MATH)]:
-            with sdpa_kernel(backend):
-                result[f"{label}_prefill_2048_ms"] = prefill_ms(t, 256 if args.quick else 2048)
-        return result
-    checks["flash_prefill"] = flash
-
-    sizes = (1, 2, 4, 8) if args.quick else (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
-    curve_shapes = ["small"] if args.quick else ["smollm2-135m", "llama-1b", "llama2-7b"]
-    for shape in curve_shapes:
-        dtype = torch.float32 if dev == "cpu" else torch.bfloat16
-
-        def curve(shape=shape, dtype=dtype):
-            t = built_target(shape, dtype, dev)
-            ms = measure_cost_curve(t, sizes=sizes, context=512, reps=10, use_cache=False)
-            del t
-            torch.cuda.empty_cache() if dev == "cuda" else None
-            return {"ms_by_tree_tokens": ms, "relative_to_1": {n: round(v / ms[1], 3) for n, v in ms.items()}}
-        checks[f"cost_curve_{shape}_bf16"] = curve
-
-    for shape in curve_shapes:
-        for path in ("transformers", "fast"):
-            def speed(shape=shape, path=path):
-                dtype = torch.float32 if dev == "cpu" else torch.bfloat16
-                t = built_target(shape, dtype, dev)
-                if path == "fast":
-                    attach_fast_decoder(t, "float32" if dev == "cpu" else "bfloat16")
-                    if t.fast is None:
-                        return {"skipped": t.fast_note}
-                result = decode_speed(t, prompts=1 if args.quick else 3, new=16 if args.quick else 64)
-                del t
-                torch.cuda.empty_cache() if dev == "cuda" else None
-                return result
-            checks[f"decode_speed_{shape}_{path}"] = speed
-
+    report = {"device": torch.cuda.get_device_name(0) if dev == "cuda" else "cpu",
+              "torch": torch.__version__, "transformers": transformers.__version__}
+    checks = {**lossless_checks(dev, args.quick), "flash_prefill": lambda: flash_prefill(dev, args.quick),
+              **shape_checks(dev, args.quick)}
     for name, fn in checks.items():
         if args.only not in name:
             continue
