@@ -16,8 +16,7 @@ import torch
 from gumiho_core import Engine, GenerationSettings, TreeSettings, new_heads, run_to_end
 from gumiho_core import drafter as drafter_module
 from gumiho_core import verify as verify_module
-from gumiho_core.draft_tree import DraftTree
-from gumiho_core.drafter import Drafter
+from oracle import OracleDrafter
 from tiny import EOS, hf_greedy, random_prompts, tiny_target
 
 TREES = [
@@ -65,54 +64,6 @@ def test_eos_stops_like_hf_generate():
 
 
 # -- an oracle drafter: the target's own continuation, corrupted at random depths -------------
-
-
-def oracle_tree(root: int, truth: list[int], rng: random.Random, vocab: int, size: int) -> DraftTree:
-    """A tree whose true path is `truth` up to a random corruption, with random siblings,
-    laid out in a shuffled (but parents-first) order."""
-    depth = len(truth)
-    corrupt_at = rng.choice([None, None, *range(depth)])  # often fully right
-    path = [t if i != corrupt_at else (t + 1 + rng.randrange(vocab - 4)) % vocab for i, t in enumerate(truth)]
-    nodes = [(0, -1, root)]  # (depth, parent index in `nodes`, token)
-    parent = 0
-    for d, token in enumerate(path, start=1):
-        nodes.append((d, parent, token))
-        parent = len(nodes) - 1
-    while len(nodes) < size:  # distractors hanging anywhere
-        p = rng.randrange(len(nodes))
-        if nodes[p][0] < depth + 1:
-            nodes.append((nodes[p][0] + 1, p, rng.randrange(3, vocab)))
-    # Shuffle within each depth, keep depth order so parents come first.
-    order = sorted(range(len(nodes)), key=lambda i: (nodes[i][0], rng.random()))
-    order.remove(0)
-    order = [0, *order]
-    new_index = {old: new for new, old in enumerate(order)}
-    tokens = [nodes[i][2] for i in order]
-    parents = [-1] + [new_index[nodes[i][1]] for i in order[1:]]
-    depths = [nodes[i][0] for i in order]
-    sources = ["root"] + ["serial" if d <= 2 else "mlp" for d in depths[1:]]
-    return DraftTree(torch.tensor(tokens), parents, depths, sources)
-
-
-class OracleDrafter(Drafter):
-    """Drafts `oracle_tree`s; `truth` is the full plain answer."""
-
-    def __init__(self):
-        self.update(truth=[], rng=random.Random(0), size=12, depth=5, vocab=96)
-        self.prompt_length = 0
-
-    def update(self, **state):
-        self.__dict__.update(state)
-
-    def begin(self, prompt_ids, shared, settings):
-        self.prompt_length = len(prompt_ids)
-
-    def draft(self, step):
-        k = len(step.context) - self.prompt_length  # the root is new token k-1; its continuation starts at k
-        truth = self.truth[k : k + self.depth]
-        if not truth:
-            return DraftTree.root_only(step.root)
-        return oracle_tree(step.root, truth, self.rng, self.vocab, self.size)
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from gumiho_core.fast_decoder import FastDecoder, StaticKVCache
 from gumiho_core.quantize import PRECISIONS, Int4WeightOnlyLinear, Int8WeightOnlyLinear, check_precision
 from gumiho_core.target import Target, attach_fast_decoder
 from gumiho_core.verify import TransformersCache
-from test_engine_lossless import OracleDrafter
+from oracle import OracleDrafter
 from tiny import hf_greedy, random_prompts, tiny_target, tiny_tokenizer
 
 # blocked_attention.py relies on float32 products whose bits do not depend on the row count,

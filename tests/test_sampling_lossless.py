@@ -18,7 +18,7 @@ from gumiho_core.draft_tree import DraftTree
 from gumiho_core.drafter import RecordingDrafter
 from gumiho_core.sampling import TokenChooser, apply_repetition_penalty, warp
 from gumiho_core.verify import Acceptance, accept
-from test_engine_lossless import OracleDrafter
+from oracle import OracleDrafter
 from tiny import random_prompts, tiny_target
 
 
