@@ -150,21 +150,28 @@ def calibrate(engine: Engine, top_ks=(2, 4, 6), big: int = 48,
     and the drafting time per step at each depth (a depth-1 draft skips the second serial
     step and the MLP heads, so it costs a fraction of a depth-7 one)."""
     ids = [engine.target.chat_prompt([{"role": "user", "content": p}]) for p in CALIBRATION_PROMPTS]
-    traces, draft_ms = {}, {}
-    for k in top_ks:
-        recorder = RecordingDrafter(engine.drafter)  # the engine's heads, every (tree, path) kept
-        for prompt in ids:
-            settings = GenerationSettings(max_new_tokens=max_new_tokens, tree=_tree(k, big, 7))
-            run_to_end(engine, prompt, settings, drafter=recorder)
-        traces[k] = recorder.steps
-    for k in top_ks:
-        for depth in DEPTHS:  # short runs: only the drafting time is read
-            runs = [run_to_end(engine, ids[0], GenerationSettings(max_new_tokens=16, tree=_tree(k, 8, depth)))
-                    for _ in range(3)]
-            # The fastest of three: other work on the machine only ever adds time, and one
-            # disturbed run must not make a cheap tree look dear.
-            draft_ms[f"{k}/{depth}"] = min(r.stats.draft_s / max(r.stats.forward_passes - 1, 1) * 1e3 for r in runs)
+    traces = {k: trace_steps(engine, ids, k, big, max_new_tokens) for k in top_ks}
+    draft_ms = {f"{k}/{depth}": drafting_ms(engine, ids[0], k, depth) for k in top_ks for depth in DEPTHS}
     return {"traces": traces, "draft_ms": draft_ms}
+
+
+def trace_steps(engine: Engine, prompts: list[list[int]], top_k: int, big: int, max_new_tokens: int) -> list:
+    """Every (tree, accepted path) of the engine's heads drafting a `big`-node tree, depth 7,
+    over `prompts`."""
+    recorder = RecordingDrafter(engine.drafter)
+    for prompt in prompts:
+        settings = GenerationSettings(max_new_tokens=max_new_tokens, tree=_tree(top_k, big, 7))
+        run_to_end(engine, prompt, settings, drafter=recorder)
+    return recorder.steps
+
+
+def drafting_ms(engine: Engine, prompt: list[int], top_k: int, depth: int) -> float:
+    """Milliseconds of drafting a step at this top_k and depth (short runs: only the drafting
+    time is read). The fastest of three: other work on the machine only ever adds time, and
+    one disturbed run must not make a cheap tree look dear."""
+    runs = [run_to_end(engine, prompt, GenerationSettings(max_new_tokens=16, tree=_tree(top_k, 8, depth)))
+            for _ in range(3)]
+    return min(r.stats.draft_s / max(r.stats.forward_passes - 1, 1) * 1e3 for r in runs)
 
 
 def choose_tree(engine: Engine, use_cache: bool = True, log=None) -> tuple[TreeSettings, dict]:

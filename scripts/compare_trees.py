@@ -10,12 +10,11 @@ falls on all alike. Prints each prompt's tokens/s and whether every answer equal
 decoding's, then ratios to plain: of the medians, and the median of each prompt's ratio.
 docs/fast_decoder.md quotes its figures.
 """
-import json
 import statistics
 import sys
 from dataclasses import replace
 
-from gumiho_core.benchmark import run_method
+from gumiho_core.benchmark import read_prompts, run_method
 from gumiho_core.drafter import GumihoDrafter
 from gumiho_core.loading import load_engine
 from gumiho_core.settings import GenerationSettings, SamplingSettings, TreeSettings
@@ -30,10 +29,8 @@ def parse_tree(text: str) -> TreeSettings:
 
 def main(temperature: float, count: int, bench: str, trees: list[str]) -> None:
     engine, _ = load_engine()
-    with open(f"../shared/bench/{bench}.jsonl") as lines:
-        records = [json.loads(line) for line in lines][:count]
-    prompts = [engine.target.chat_prompt([{"role": "user", "content": r["turns"][0] if "turns" in r else r["prompt"]}])
-               for r in records]
+    prompts = [engine.target.chat_prompt([{"role": "user", "content": text}])
+               for text in read_prompts(f"../shared/bench/{bench}.jsonl", count)]
     sampling = SamplingSettings(temperature=temperature, seed=0) if temperature > 0 else SamplingSettings()
     settings = GenerationSettings(max_new_tokens=256, sampling=sampling)
     methods = {"plain": ("plain", settings, None)}

@@ -8,10 +8,10 @@ on CPUs without AMX, so a row's bits in a one-token pass and in a tree pass coul
 in bfloat16 with the tree drafted at every step, once with the padding switched off and once as
 shipped, and counts the answers that part from plain decoding's. docs/fast_decoder.md quotes it.
 """
-import json
 import sys
 
 from gumiho_core import Engine, GenerationSettings, load_target, run_to_end
+from gumiho_core.benchmark import read_prompts
 from gumiho_core.cpu_matmul import PackedBF16Linear
 from gumiho_core.heads import HeadCheckpoint
 from gumiho_core.loading import SHIPPED_HEADS
@@ -34,8 +34,7 @@ def main(count: int) -> None:
     target = load_target(None, dtype="bfloat16")
     engine = Engine(target, HeadCheckpoint.load(SHIPPED_HEADS, target))
     engine.drafter.guard = None  # every step a tree pass
-    with open("../shared/bench/mt_bench.jsonl") as lines:
-        prompts = [json.loads(line)["turns"][0] for line in lines][:count]
+    prompts = read_prompts("../shared/bench/mt_bench.jsonl", count)
     layers = [m for m in target.fast.modules() if isinstance(m, PackedBF16Linear)]
     padded = [m.one_row_as_two for m in layers]
     for m in layers:

@@ -17,18 +17,15 @@ pass, under four assumptions, each kinder than the last:
 
 and prints the best tree under each; then, per tree size, the heads' best tau against the tau
 that GOAL times plain decoding would need with free drafting and peak rows. The looked-up
-chain is left out: it pays only where the
-answer repeats its context, and the benchmark measures it as it is.
+chain is left out: it pays only where the answer repeats its context, and the benchmark
+measures it as it is.
 """
-import json
 import statistics
 import sys
 
-from gumiho_core.drafter import RecordingDrafter
-from gumiho_core.generate import run_to_end
+from gumiho_core.benchmark import read_prompts
 from gumiho_core.loading import load_engine
-from gumiho_core.settings import GenerationSettings
-from gumiho_core.tree_budget import DEPTHS, _tree, accepted_length, measure_cost_curve
+from gumiho_core.tree_budget import DEPTHS, accepted_length, drafting_ms, measure_cost_curve, trace_steps
 
 PEAK_ROW_SHARE = 0.8
 GOAL = 1.6  # issue 18's bar: Gumiho at 1.6x plain decoding
@@ -36,40 +33,25 @@ TOP_KS = (2, 4, 6)
 BIG_TREE = 48
 
 
-def traces(engine, prompts, top_k: int, new_tokens: int) -> list:
-    recorder = RecordingDrafter(engine.drafter)
-    for ids in prompts:
-        settings = GenerationSettings(max_new_tokens=new_tokens, tree=_tree(top_k, BIG_TREE, 7))
-        run_to_end(engine, ids, settings, drafter=recorder)
-    return recorder.steps
-
-
-def draft_ms(engine, ids, top_k: int, depth: int) -> float:
-    runs = [run_to_end(engine, ids, GenerationSettings(max_new_tokens=16, tree=_tree(top_k, 8, depth)))
-            for _ in range(3)]
-    return min(r.stats.draft_s / max(r.stats.forward_passes - 1, 1) * 1e3 for r in runs)
-
-
 def main(count: int, new_tokens: int) -> None:
     engine, _ = load_engine()
-    with open("../shared/bench/mt_bench.jsonl") as lines:
-        records = [json.loads(line) for line in lines][:count]
-    prompts = [engine.target.chat_prompt([{"role": "user", "content": r["turns"][0]}]) for r in records]
+    prompts = [engine.target.chat_prompt([{"role": "user", "content": text}])
+               for text in read_prompts("../shared/bench/mt_bench.jsonl", count)]
     curve = measure_cost_curve(engine.target, reps=25, use_cache=False)  # the 1-row pass sets every ratio
     print("pass ms by rows:", {n: round(ms, 2) for n, ms in curve.items()})
     one = curve[1]
+    peak = {n: one + PEAK_ROW_SHARE * (ms - one) for n, ms in curve.items()}  # each row at the unit's peak
     best = {name: (0.0, "") for name in ("measured", "free drafting", "peak rows", "every draft")}
     best_tau = dict.fromkeys((size for size in curve if size > 1), 1.0)
     for k in TOP_KS:
-        steps = traces(engine, prompts, k, new_tokens)
+        steps = trace_steps(engine, prompts, k, BIG_TREE, new_tokens)
         for depth in DEPTHS:
-            drafting = draft_ms(engine, prompts[0], k, depth)
+            drafting = drafting_ms(engine, prompts[0], k, depth)
             for n in (size for size in curve if size > 1):
                 tau = 1 + statistics.mean(accepted_length(t, p, n, depth) for t, p in steps)
                 best_tau[n] = max(best_tau[n], tau)
-                peak = one + PEAK_ROW_SHARE * (curve[n] - one)
                 ratios = {"measured": tau * one / (curve[n] + drafting), "free drafting": tau * one / curve[n],
-                          "peak rows": tau * one / peak, "every draft": min(n, depth + 1) * one / peak}
+                          "peak rows": tau * one / peak[n], "every draft": min(n, depth + 1) * one / peak[n]}
                 for name, ratio in ratios.items():
                     if ratio > best[name][0]:
                         best[name] = (ratio, f"{k}/{n}/{depth} tau {tau:.2f}, drafting {drafting:.1f} ms")
@@ -77,7 +59,7 @@ def main(count: int, new_tokens: int) -> None:
     for name, (ratio, tree) in best.items():
         print(f"{name:>14}: best {ratio:.2f}x plain's pass ({tree})")
     for n, tau in best_tau.items():
-        needed = GOAL * (one + PEAK_ROW_SHARE * (curve[n] - one)) / one
+        needed = GOAL * peak[n] / one
         print(f"{n:>3} rows: the heads' best tau {tau:.2f}; {GOAL}x would need {needed:.2f}"
               + (" (more than the rows can hold)" if needed > n else ""))
 
