@@ -126,7 +126,7 @@ def decode_speed(target, prompts=3, new=64):
                "gumiho": GenerationSettings(max_new_tokens=new, tree=TreeSettings.gpu())}
     for settings in methods.values():  # warm-up
         run_to_end(engine, list(range(3, 35)), settings.with_(max_new_tokens=8))
-    runs, same, result = {"plain": [], "gumiho": []}, 0, {}
+    runs, same, result = {label: [] for label in methods}, 0, {}
     for _ in range(prompts):
         ids = torch.randint(3, target.vocab_size, (64,), generator=g).tolist()
         done = {label: run_to_end(engine, ids, settings) for label, settings in methods.items()}
